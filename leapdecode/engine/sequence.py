@@ -1,0 +1,97 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+
+import torch
+
+from leapdecode.outputs import RequestMetrics
+from leapdecode.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, KV position and generation state of one request.
+
+    Invariants: ``token_ids = prompt_token_ids + output_token_ids``; positions ``< num_computed_tokens`` have valid
+    K/V in the cache blocks of ``block_table``; ``num_computed_tokens <= len(token_ids)``. A decode step computes the
+    last token (plus any draft tokens) and appends what it samples.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks (prefix cache)
+        self.status = SequenceStatus.WAITING
+        self.arrival = next(_arrival)
+        self.arrival_time = time.perf_counter()
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.output_text = ""
+        self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
+        self.stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            self.stop_ids |= set(eos_token_ids)
+        # seeded requests own their random stream, so their samples do not depend on the batch they ride in
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        # speculative-decoding state, owned by leapdecode.spec
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        self.spec_budget = 0  # draft tokens the scheduler reserved room for this step
+        self.spec_state: dict = {}
+
+    # ------------------------------------------------------------------------------------------------ views
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token still needs computing (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)}, {self.status.value})"
+        )

@@ -1,0 +1,200 @@
+"""Attention over the paged KV cache.
+
+Every forward pass works on a *flat* batch of T new tokens (varlen, like vLLM): prefill chunks, decode tokens,
+draft chains and candidate trees of many sequences laid end to end. Attention for one layer is two moves:
+
+1. write the new K/V rows into the cache slots named by ``slot_mapping`` (slot = block_id * block_size + offset);
+2. for each *group* of sequences, read their K/V back by slot and run one ``scaled_dot_product_attention``.
+
+Groups are planned once per step by :func:`build_attention_metadata` and reused by all layers:
+- sequences with few new tokens (decode, verification of drafts or trees) share one padded call; with grouped-query
+  attention the query heads that share a KV head are folded into the query axis, so K/V are never repeated;
+- a long prefill chunk gets its own call (it is compute-bound; padding it with others would waste work);
+- a sequence whose slots are one contiguous run reads the cache through a view instead of a gather.
+
+Masks are boolean (True = may attend). A new token at absolute position p may see every cached position <= p;
+a candidate tree (Medusa, hybrid) replaces the causal rule among the new tokens with its ancestor mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# New-token count up to which sequences are batched into one padded attention call.
+SMALL_QUERY = 16
+
+
+@dataclass
+class SeqAttention:
+    """What attention needs to know about one sequence in the flat batch."""
+
+    q_start: int  # first row of this sequence in the flat batch
+    q_len: int  # new tokens this step; they occupy cache positions ctx_len - q_len .. ctx_len - 1
+    ctx_len: int  # cached + new positions
+    block_table: list[int]
+    block_size: int
+    tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool among the new tokens; None = causal
+
+    def slots(self) -> torch.Tensor:
+        table = torch.tensor(self.block_table, dtype=torch.long)
+        return (table.unsqueeze(1) * self.block_size + torch.arange(self.block_size)).view(-1)[: self.ctx_len]
+
+    def contiguous_start(self) -> int | None:
+        """First slot when the positions 0..ctx_len-1 occupy one run of slots (read through a view)."""
+        t = self.block_table[: -(-self.ctx_len // self.block_size)]
+        if t[-1] - t[0] == len(t) - 1 and all(b - a == 1 for a, b in zip(t, t[1:])):
+            return t[0] * self.block_size
+        return None
+
+
+@dataclass
+class AttentionGroup:
+    batch: int
+    q_len: int
+    kv_len: int
+    q_start: int | None = None  # batch == 1: rows q_start .. q_start+q_len
+    q_rows: torch.Tensor | None = None  # [batch*q_len] flat rows (padding repeats a valid row)
+    q_valid: torch.Tensor | None = None  # [batch*q_len] bool
+    kv_start: int | None = None  # batch == 1 and contiguous slots
+    kv_slots: torch.Tensor | None = None  # [batch*kv_len]
+    mask: torch.Tensor | None = None  # [batch, 1, q_len(*group), kv_len] bool; None = all visible
+    causal: bool = False  # plain causal self-attention (q_len == kv_len, no cache)
+    fold: bool = False  # fold GQA query groups into the query axis
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def _visible(seq: SeqAttention) -> torch.Tensor:
+    """[q_len, ctx_len] bool: which cached/new positions each new token may attend to."""
+    ctx, q = seq.ctx_len, seq.q_len
+    past = ctx - q
+    qpos = torch.arange(q).unsqueeze(1) + past
+    vis = torch.arange(ctx).unsqueeze(0) <= qpos
+    if seq.tree_mask is not None:
+        vis[:, past:] = seq.tree_mask
+    return vis
+
+
+def build_attention_metadata(
+    seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_size: int, device: torch.device
+) -> AttentionMetadata:
+    small = [s for s in seqs if s.q_len <= SMALL_QUERY]
+    large = [s for s in seqs if s.q_len > SMALL_QUERY]
+    groups: list[AttentionGroup] = []
+    for s in large:
+        groups.append(_single_group(s, device, fold=False))
+    if len(small) == 1:
+        groups.append(_single_group(small[0], device, fold=True, group_size=group_size))
+    elif small:
+        groups.append(_padded_group(small, device, group_size))
+    total = sum(s.q_len for s in seqs)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=total)
+
+
+def _fold_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    b, _, q, k = mask.shape
+    return mask.unsqueeze(2).expand(b, 1, group_size, q, k).reshape(b, 1, group_size * q, k)
+
+
+def _single_group(s: SeqAttention, device: torch.device, fold: bool, group_size: int = 1) -> AttentionGroup:
+    g = AttentionGroup(batch=1, q_len=s.q_len, kv_len=s.ctx_len, q_start=s.q_start, fold=fold)
+    g.kv_start = s.contiguous_start()
+    if g.kv_start is None:
+        g.kv_slots = s.slots().to(device)
+    if s.tree_mask is None and s.q_len == 1:
+        return g  # a single new token sees everything: no mask
+    if s.tree_mask is None and s.q_len == s.ctx_len and not fold:
+        g.causal = True
+        return g
+    mask = _visible(s).view(1, 1, s.q_len, s.ctx_len)
+    g.mask = (_fold_mask(mask, group_size) if fold else mask).to(device)
+    return g
+
+
+def _padded_group(seqs: list[SeqAttention], device: torch.device, group_size: int) -> AttentionGroup:
+    b = len(seqs)
+    q_len = max(s.q_len for s in seqs)
+    kv_len = max(s.ctx_len for s in seqs)
+    q_rows = torch.zeros(b, q_len, dtype=torch.long)
+    q_valid = torch.zeros(b, q_len, dtype=torch.bool)
+    kv_slots = torch.zeros(b, kv_len, dtype=torch.long)
+    mask = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        q_rows[i, : s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
+        q_rows[i, s.q_len :] = s.q_start  # padding re-reads a valid row; its output is dropped
+        q_valid[i, : s.q_len] = True
+        kv_slots[i, : s.ctx_len] = s.slots()
+        mask[i, 0, : s.q_len, : s.ctx_len] = _visible(s)
+        mask[i, 0, s.q_len :, 0] = True  # padded rows see one key so softmax stays finite
+    return AttentionGroup(
+        batch=b,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_rows=q_rows.view(-1).to(device),
+        q_valid=q_valid.view(-1).to(device),
+        kv_slots=kv_slots.view(-1).to(device),
+        mask=_fold_mask(mask, group_size).to(device),
+        fold=True,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // hkv
+    if len(meta.groups) == 1 and meta.groups[0].q_start == 0 and meta.groups[0].q_len == q.shape[0]:
+        out = None  # the single group covers the whole batch: write straight into its result
+    else:
+        out = torch.empty_like(q)
+    for g in meta.groups:
+        if g.q_start is not None:
+            qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
+        else:
+            qg = q.index_select(0, g.q_rows).view(g.batch, g.q_len, heads, d)
+        if g.kv_start is not None:
+            kg = k_cache[g.kv_start : g.kv_start + g.kv_len].unsqueeze(0).to(q.dtype)
+            vg = v_cache[g.kv_start : g.kv_start + g.kv_len].unsqueeze(0).to(q.dtype)
+        else:
+            kg = k_cache.index_select(0, g.kv_slots).view(g.batch, g.kv_len, hkv, d).to(q.dtype)
+            vg = v_cache.index_select(0, g.kv_slots).view(g.batch, g.kv_len, hkv, d).to(q.dtype)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, K, D]
+        if g.fold:
+            # [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]: query heads sharing a KV head become extra query rows
+            qf = qg.view(g.batch, g.q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
+                g.batch, hkv, group * g.q_len, d
+            )
+            o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=g.mask, scale=scale)
+            o = o.view(g.batch, hkv, group, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(g.batch, g.q_len, heads, d)
+        else:
+            if group > 1:
+                kg = kg.repeat_interleave(group, dim=1)
+                vg = vg.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale
+            ).transpose(1, 2)
+        if out is None:
+            return o.reshape(g.q_len, heads, d)
+        if g.q_start is not None:
+            out[g.q_start : g.q_start + g.q_len] = o[0]
+        else:
+            flat = o.reshape(g.batch * g.q_len, heads, d)
+            out[g.q_rows[g.q_valid]] = flat[g.q_valid]
+    return out

@@ -1,0 +1,150 @@
+"""The offline Python API (mirrors vLLM): ``LLM(...).generate(...)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.engine.llm_engine import LLMEngine
+from leapdecode.outputs import RequestOutput
+from leapdecode.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """An engine with a model loaded.
+
+    ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``model`` may be an HF folder or a ``.gguf`` file.
+    ``speculative_config`` turns on a lossless speculative method, e.g. ``{"method": "ngram"}``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        kv_cache_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        speculative_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_blocks=kv_cache_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=SpeculativeConfig.from_dict(speculative_config), **kwargs,
+        )
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # --------------------------------------------------------------------------------------------- inputs
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise TypeError('a prompt must be a string or a dict with "prompt_token_ids" (or "prompt")')
+
+    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+        ):
+            raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
+        tok = self.engine.tokenizer
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
+        return params
+
+    # ---------------------------------------------------------------------------------------------- calls
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [self._tokenize(p) for p in prompts]
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)), use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # one conversation
+        encoded = [(self.apply_chat_template(c), None) for c in conversations]
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)), use_tqdm)
+
+    def _run(self, encoded, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for (tokens, text), p in zip(encoded, params):
+                ids.append(engine.add_request(tokens, p, prompt=text))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2, leave=False)
+        try:
+            while any(r is None for r in results):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt: Prompt | list[dict[str, str]], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a cumulative ``RequestOutput`` each time the request produces tokens (last one ``finished``).
+
+        A list of role/content dicts is treated as a chat conversation."""
+        if isinstance(prompt, list):
+            tokens, text = self.apply_chat_template(prompt), None
+        else:
+            tokens, text = self._tokenize(prompt)
+        rid = self.engine.add_request(tokens, sampling_params or SamplingParams(), prompt=text)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)

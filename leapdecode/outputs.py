@@ -1,0 +1,53 @@
+"""Result objects returned by ``LLM.generate`` / ``LLM.chat`` (names mirror vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request counters. ``mean_accepted_tokens`` is output tokens per target step (1.0 without speculation)."""
+
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_target_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.num_output_tokens / self.num_target_steps if self.num_target_steps else 1.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_tokens"] = self.mean_accepted_tokens
+        return d
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
