@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random Llama models (HF transformers is the reference) and the bundled model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_DEFAULTS = dict(
+    vocab_size=49152,  # the bundled tokenizer's vocabulary, so tiny models speak real text
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The bundled model's tokenizer (with chat template), saved as HF files once per session."""
+    from leapdecode.models.loader import bundled_model_path, load_tokenizer
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(bundled_model_path()).save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, tokenizer_dir):
+    """``make_tiny_model(seed=0, **config_overrides) -> Path`` of an HF folder (safetensors + tokenizer)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cache: dict = {}
+
+    def make(seed: int = 0, **overrides) -> Path:
+        key = (seed, tuple(sorted(overrides.items())))
+        if key in cache:
+            return cache[key]
+        cfg = LlamaConfig(**{**TINY_DEFAULTS, **overrides})
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():  # random init is tiny; widen it so logits are not near-uniform
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.mul_(4.0)
+        d = tmp_path_factory.mktemp("tiny")
+        model.save_pretrained(str(d), safe_serialization=True)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, d / f.name)
+        cache[key] = d
+        return d
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_model) -> Path:
+    return make_tiny_model()
+
+
+@pytest.fixture
+def tiny_llm(tiny_model_dir):
+    from leapdecode import LLM
+
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=128, max_num_seqs=16)
+    yield llm
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    from leapdecode import LLM
+
+    return LLM(kv_cache_blocks=1024)
+
+
+def assert_no_leaks(llm) -> None:
+    """Every KV block is back in the free pool (cached-but-free blocks count as free)."""
+    bm = llm.engine.block_manager
+    assert not llm.engine.scheduler.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in bm.blocks)
