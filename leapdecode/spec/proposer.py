@@ -1,0 +1,50 @@
+"""The drafter interface: every speculative method proposes tokens that the target then verifies in one pass."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from leapdecode.engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence.
+
+    A chain is ``tokens`` alone. A candidate tree (Medusa, hybrid) adds ``parents``: node i's parent index in
+    ``tokens`` (-1 = child of the last committed token), with nodes in topological order; the target verifies
+    all nodes in one pass under a tree attention mask. ``probs`` ([len(tokens), vocab]) is the distribution the
+    drafter sampled each token from, needed for lossless rejection sampling at temperature > 0; ``None`` means
+    the drafter is deterministic (a point mass on each token).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+
+class Proposer(ABC):
+    """Invariants: ``propose`` returns one Proposal per input sequence with ``len(tokens) <= budgets[i]``
+    (a shorter or empty proposal is always allowed); it never mutates ``seq.token_ids``. After the target has
+    verified, ``on_verified(seq, num_prefix_tokens, num_accepted)`` says that the first ``num_prefix_tokens``
+    tokens (the sequence before drafting) plus ``num_accepted`` draft tokens are now committed, so a drafter
+    with its own cache can roll back the rest. ``release(seq)`` frees whatever the drafter holds for ``seq``.
+    """
+
+    name: str = "proposer"
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]: ...
+
+    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:  # noqa: B027
+        """Default: stateless drafters keep nothing."""
+
+    def release(self, seq: Sequence) -> None:  # noqa: B027
+        """Default: nothing to free."""
+
+    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
+        """Seconds the drafter spends to propose ``num_tokens`` per sequence (0 for lookup methods)."""
+        return 0.0
