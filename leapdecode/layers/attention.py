@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from leapdecode.layers import split_kv
+from leapdecode.layers.kv_quant import KVPlane, read_kv_range, read_kv_slots, write_kv
+
 # New-token count up to which sequences are batched into one padded attention call.
 SMALL_QUERY = 16
 
@@ -63,6 +66,7 @@ class AttentionGroup:
     mask: torch.Tensor | None = None  # [batch, 1, q_len(*group), kv_len] bool; None = all visible
     causal: bool = False  # plain causal self-attention (q_len == kv_len, no cache)
     fold: bool = False  # fold GQA query groups into the query axis
+    split: split_kv.SplitPlan | None = None  # long context, few rows: attend chunk by chunk (split_kv.py)
 
 
 @dataclass
@@ -95,6 +99,8 @@ def build_attention_metadata(
         groups.append(_single_group(small[0], device, fold=True, group_size=group_size))
     elif small:
         groups.append(_padded_group(small, device, group_size))
+    if small and split_kv.use_split(groups[-1]):  # few rows over a long context (see split_kv.py)
+        groups[-1].split = split_kv.plan_split(groups[-1], small, small[0].block_size)
     total = sum(s.q_len for s in seqs)
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=total)
 
@@ -150,14 +156,16 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVPlane,
+    v_cache: KVPlane,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
+
+    Returns [T, H, D]."""
+    write_kv(k_cache, meta.slot_mapping, k)
+    write_kv(v_cache, meta.slot_mapping, v)
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     group = heads // hkv
     if len(meta.groups) == 1 and meta.groups[0].q_start == 0 and meta.groups[0].q_len == q.shape[0]:
@@ -169,19 +177,25 @@ def paged_attention(
             qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
         else:
             qg = q.index_select(0, g.q_rows).view(g.batch, g.q_len, heads, d)
-        if g.kv_start is not None:
-            kg = k_cache[g.kv_start : g.kv_start + g.kv_len].unsqueeze(0).to(q.dtype)
-            vg = v_cache[g.kv_start : g.kv_start + g.kv_len].unsqueeze(0).to(q.dtype)
+        if g.split is not None and g.split.chunked_read:
+            kg = vg = None  # split_kv reads the cache chunk by chunk
+        elif g.kv_start is not None:
+            kg = read_kv_range(k_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
+            vg = read_kv_range(v_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
         else:
-            kg = k_cache.index_select(0, g.kv_slots).view(g.batch, g.kv_len, hkv, d).to(q.dtype)
-            vg = v_cache.index_select(0, g.kv_slots).view(g.batch, g.kv_len, hkv, d).to(q.dtype)
-        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, K, D]
+            kg = read_kv_slots(k_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
+            vg = read_kv_slots(v_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
+        if kg is not None:
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, K, D]
         if g.fold:
             # [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]: query heads sharing a KV head become extra query rows
             qf = qg.view(g.batch, g.q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
                 g.batch, hkv, group * g.q_len, d
             )
-            o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=g.mask, scale=scale)
+            if g.split is not None:
+                o = split_kv.split_attention(qf, kg, vg, k_cache, v_cache, g.split, scale)
+            else:
+                o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=g.mask, scale=scale)
             o = o.view(g.batch, hkv, group, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(g.batch, g.q_len, heads, d)
         else:
             if group > 1:

@@ -1,0 +1,1 @@
+"""Evaluation and micro-benchmark helpers (perplexity through the engine, attention path timing)."""
