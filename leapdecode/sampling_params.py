@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    ``temperature == 0`` means greedy. Every field is validated on construction and a bad value raises a
-    ``ValueError`` that names the field, the value and the accepted range.
+    ``temperature == 0`` (or below 1e-5) means greedy. Every field is validated on construction and a bad
+    value raises a ``ValueError`` that names the field, the value and the accepted range.
     """
 
     temperature: float = 1.0
@@ -31,35 +34,47 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        def number(x: object) -> bool:  # a real, finite number (bools and NaN are not)
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def integer(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not integer(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (disabled) or an integer >= 1")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0 (1.0 disables it)")
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not integer(self.seed):
             raise bad("seed", "must be an integer or None")
         if isinstance(self.stop, str):
             self.stop_list = [self.stop]
         elif self.stop is None:
             self.stop_list = []
-        else:
-            if not all(isinstance(s, str) and s for s in self.stop):
-                raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
             self.stop_list = list(self.stop)
-        if self.stop_list and any(not s for s in self.stop_list):
+        else:
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not s for s in self.stop_list):
             raise bad("stop", "must not contain empty strings")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or not all(integer(t) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be a bool")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as in vLLM, a temperature below 1e-5 is greedy: dividing logits by it only risks overflow
+        return self.temperature < GREEDY_TEMPERATURE

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread by default: the tiny test models gain nothing from more, and on a busy machine (CI runners,
+# shared dev boxes) OpenMP threads that wait for each other make every small op ~100x slower. Override with
+# LEAPDECODE_TEST_THREADS=N (e.g. for the slow bundled-model tests on an idle machine).
+torch.set_num_threads(max(1, min(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")), os.cpu_count() or 1)))
 
 TINY_DEFAULTS = dict(
     vocab_size=49152,  # the bundled tokenizer's vocabulary, so tiny models speak real text

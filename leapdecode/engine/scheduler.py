@@ -1,22 +1,26 @@
 """Continuous batching under one token budget (vLLM v1 style).
 
 Every step the scheduler hands out at most ``max_num_batched_tokens`` new tokens. One rule covers prefill,
-chunked prefill, decode and draft tokens: a sequence needs ``num_tokens - num_computed_tokens`` tokens computed
-(the whole prompt when it arrives, the last sampled token when decoding), plus the draft tokens it may verify.
+chunked prefill, decode and draft tokens: a sequence needs ``num_tokens - num_computed_tokens`` tokens
+computed (the whole prompt when it arrives, the last sampled token when decoding), plus the draft tokens it
+may verify.
 
 Fairness is first-come-first-served by arrival:
 1. running sequences, oldest first, each get their tokens (a long prefill is cut into chunks of what is left);
-2. then waiting sequences, oldest first, are admitted while budget, sequence slots and KV blocks last. The queue
-   head is never skipped for a younger, smaller request, so no request starves whatever its length.
+2. then waiting sequences, oldest first, are admitted while budget, sequence slots and KV blocks last. The
+   queue head is never skipped for a younger, smaller request, so no request starves whatever its length.
 
-When a running sequence cannot get the KV blocks it needs, the *newest* running sequence is preempted: its blocks
-are freed and it goes back to the waiting queue in arrival order, to be recomputed later from its tokens (prompt +
-what it has generated so far, so nothing is lost; prefix caching often makes the recompute cheap).
+When a running sequence cannot get the KV blocks it needs, the *newest* running sequence is preempted: its
+blocks are freed and it goes back to the waiting queue in arrival order, to be recomputed later from its
+tokens (prompt + what it has generated so far, so nothing is lost; prefix caching often makes the recompute
+cheap).
+No waiting request is admitted in a step that preempted one.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from leapdecode.engine.block_manager import BlockManager
@@ -55,9 +59,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, spec_budget_of=None) -> SchedulerOutput:
+    def schedule(self, spec_budget_of: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
         """Plan one step. ``spec_budget_of(seq) -> int`` says how many draft tokens a decoding sequence would
-        like to verify; the budget reserved for them is the *most* that will run (drafters may propose fewer)."""
+        like to verify; the budget reserved for them is the *most* that will run (drafters may propose
+        fewer)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=lambda s: s.arrival)
@@ -87,6 +92,10 @@ class Scheduler:
             kept.append(seq)
             budget -= n + k
         self.running = kept
+        if out.preempted:
+            # blocks are short: admitting now would only hand the freed blocks to a newer request (or re-admit
+            # the one just preempted) and preempt again next step
+            return out
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -97,11 +106,15 @@ class Scheduler:
                     seq.metrics.num_cached_prompt_tokens, min(cached, seq.num_prompt_tokens)
                 )
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            fit = (self.bm.num_free_blocks + len(seq.block_table)) * self.bm.block_size - seq.num_computed_tokens
+            room = self.bm.num_free_blocks + len(seq.block_table)
+            fit = room * self.bm.block_size - seq.num_computed_tokens
             if fit < n:
                 # alone in the engine, a prompt larger than the free pool is prefilled in chunks that fit;
                 # otherwise FCFS says wait for blocks rather than let a younger request jump ahead
                 if self.running or fit < 1:
+                    # do not pin cache-hit blocks while waiting: they stay cached (ref 0), matched again later
+                    self.bm.free(seq)
+                    seq.num_computed_tokens = 0
                     break
                 n = fit
             self.waiting.popleft()

@@ -41,6 +41,7 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         heads = d["num_attention_heads"]
+        rope_theta, rope_scaling = _rope_settings(d)
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -53,8 +54,8 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=d.get("rope_theta", 10000.0),
-            rope_scaling=d.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", SUPPORTED_ARCHITECTURES[arch] == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
@@ -76,3 +77,18 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_element
+
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either config layout: transformers < 5 writes ``rope_theta`` + ``rope_scaling``,
+    transformers >= 5 writes one ``rope_parameters`` dict holding ``rope_theta`` and the scaling keys."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        return theta, (None if kind == "default" else scaling)
+    scaling = d.get("rope_scaling") or None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(d.get("rope_theta", 10000.0)), scaling
