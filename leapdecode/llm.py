@@ -45,6 +45,19 @@ class LLM:
         )
         self.engine = LLMEngine(self.config)
 
+    @classmethod
+    def from_engine_of(cls, other: LLM, speculative_config: dict[str, Any] | None = None, **overrides: Any) -> LLM:
+        """A second LLM that shares ``other``'s loaded weights and tokenizer (its own KV cache and scheduler),
+        e.g. to compare decoding methods without loading the model twice."""
+        from dataclasses import replace
+
+        cfg = replace(other.config, speculative_config=SpeculativeConfig.from_dict(speculative_config), **overrides)
+        llm = cls.__new__(cls)
+        llm.config = cfg
+        e = other.engine
+        llm.engine = LLMEngine(cfg, model=e.model, tokenizer=e.tokenizer, model_path=e.model_path)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

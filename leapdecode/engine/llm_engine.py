@@ -20,7 +20,7 @@ from leapdecode.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads:
@@ -30,7 +30,7 @@ class LLMEngine:
             model, _ = load_model(self.model_path, config.torch_dtype, self.device)
             tokenizer = load_tokenizer(self.model_path)
         else:
-            self.model_path = None
+            self.model_path = model_path
         self.model = model
         self.model_config = mcfg = model.config
         self.tokenizer = tokenizer
@@ -38,11 +38,14 @@ class LLMEngine:
         self.eos_token_ids = list(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(tokenizer.eos_token_id)
+        from leapdecode.layers.kv_quant import resolve_kv_dtype
+
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
         num_blocks = config.kv_cache_blocks or KVCache.auto_num_blocks(
-            mcfg, config.block_size, config.torch_dtype, self.device, config.max_num_seqs, self.max_model_len,
+            mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
             config.kv_cache_memory_fraction,
         )
-        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)

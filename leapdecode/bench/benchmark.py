@@ -1,0 +1,333 @@
+"""``leapdecode bench``: every system and method on the same prompts, side by side in one run.
+
+Rows are measured one after another in this process with the same prompts and token budget; ratios (speedup over
+``none``, batched over batch-1) come from the same run, which is what makes them meaningful on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from leapdecode.bench.prompts import load_prompt_set
+
+METHOD_DEFAULTS: dict[str, dict | None] = {
+    "none": None,
+    "ngram": {"method": "ngram"},
+    "draft_model": {"method": "draft_model"},
+    "self_spec": {"method": "self_spec"},
+    "medusa": {"method": "medusa"},
+    "hybrid": {"method": "hybrid"},
+    "blockwise": {"method": "blockwise"},
+    "auto": {"method": "auto"},
+}
+
+
+@dataclass
+class Row:
+    system: str
+    method: str
+    batch: int
+    num_requests: int
+    output_tokens: int
+    tok_per_s: float  # batch 1: median over requests of tokens / e2e; batched: total tokens / wall time
+    ttft_ms: float  # median
+    tpot_ms: float  # median time per output token after the first
+    mean_accepted: float = 1.0
+    speedup: float | None = None
+    identical: str = ""
+    gb_per_s: float | None = None
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+
+def machine_info() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}{gpu}")
+
+
+def measure_bandwidth_gbps(device: torch.device, mb: int = 512) -> float:
+    """Achievable read bandwidth: median time to sum a buffer larger than the caches."""
+    x = torch.ones(mb * (1 << 20) // 4, device=device)
+    ts = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum().item()
+        ts.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_leapdecode(llm, prompts_ids: list[list[int]], params, label: str, batched: bool) -> tuple[Row, Row | None]:
+    from leapdecode.llm import LLM  # noqa: F401  (type only)
+
+    eng = llm.engine
+    outs = []
+    wall = []
+    for ids in tqdm(prompts_ids, desc=f"{label} batch 1", leave=False):
+        t0 = time.perf_counter()
+        outs.append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0])
+        wall.append(time.perf_counter() - t0)
+    tps = [len(o.outputs[0].token_ids) / w for o, w in zip(outs, wall)]
+    ttft = [o.metrics.ttft_s * 1e3 for o in outs]
+    tpot = [
+        (w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
+        for o, w in zip(outs, wall)
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    steps = sum(o.metrics.num_target_steps for o in outs)
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    row = Row("leapdecode", label, 1, len(outs), ntok, _median(tps), _median(ttft), _median(tpot),
+              ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs])
+    brow = None
+    if batched and len(prompts_ids) > 1:
+        t0 = time.perf_counter()
+        bouts = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
+        w = time.perf_counter() - t0
+        btok = sum(len(o.outputs[0].token_ids) for o in bouts)
+        bsteps = sum(o.metrics.num_target_steps for o in bouts)
+        brow = Row("leapdecode", label, len(prompts_ids), len(bouts), btok, btok / w,
+                   _median([o.metrics.ttft_s * 1e3 for o in bouts]),
+                   _median([(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1)
+                            for o in bouts]),
+                   btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts])
+    del eng
+    return row, brow
+
+
+def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
+    from transformers import AutoModelForCausalLM
+
+    if model_path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                     dtype=torch.float32)
+    model = model.to(device).eval()
+    tps, tpot, ttft, toks = [], [], [], []
+    with torch.inference_mode():
+        x = torch.tensor([prompts_ids[0]], device=device)
+        model.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])  # warm-up
+        for ids in tqdm(prompts_ids, desc="hf transformers", leave=False):
+            x = torch.tensor([ids], device=device)
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            t1 = time.perf_counter()
+            out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos[0])
+            w = time.perf_counter() - t1
+            gen = out[0, len(ids):].tolist()
+            toks.append(gen)
+            tps.append(len(gen) / w)
+            ttft.append((t1 - t0) * 1e3)
+            if len(gen) > 1:
+                tpot.append((w - (t1 - t0)) * 1e3 / (len(gen) - 1))
+    return Row("hf-transformers", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
+               _median(tpot), token_ids=toks)
+
+
+def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int]) -> Row | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed (pip install 'leapdecode[llamacpp]'); skipping llama.cpp",
+              file=sys.stderr)
+        return None
+    if model_path.is_dir():
+        print("llama.cpp needs a .gguf model; skipping", file=sys.stderr)
+        return None
+    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+    tps, ttft, tpot, toks = [], [], [], []
+    for ids in tqdm(prompts_ids, desc="llama.cpp", leave=False):
+        llm.reset()
+        gen: list[int] = []
+        t0 = time.perf_counter()
+        first = None
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            if tok in eos:
+                break
+            gen.append(tok)
+            if len(gen) >= max_tokens:
+                break
+        w = time.perf_counter() - t0
+        toks.append(gen)
+        tps.append(len(gen) / w)
+        ttft.append(((first or t0) - t0) * 1e3)
+        if len(gen) > 1:
+            tpot.append((w - ((first or t0) - t0)) * 1e3 / (len(gen) - 1))
+    return Row("llama.cpp", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
+               _median(tpot), token_ids=toks)
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
+            "| weight GB/s |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r.system} | {r.method} | {r.batch} | {r.tok_per_s:.1f} | {r.ttft_ms:.0f} | {r.tpot_ms:.1f} | "
+            f"{r.mean_accepted:.2f} | {'' if r.speedup is None else f'{r.speedup:.2f}x'} | {r.identical} | "
+            f"{'' if r.gb_per_s is None else f'{r.gb_per_s:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from leapdecode import LLM, SamplingParams
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHOD_DEFAULTS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHOD_DEFAULTS)}")
+    if "none" not in methods:
+        methods.insert(0, "none")
+    overrides = json.loads(args.method_config) if args.method_config else {}
+    compare = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
+    for c in compare:
+        if c not in ("hf", "llama.cpp"):
+            raise ValueError(f"--compare takes hf and/or llama.cpp, got {c!r}")
+    prompts = load_prompt_set(args.prompts, args.num_prompts)
+    command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
+        else args.command_line
+    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)))
+    eng = base.engine
+    tok = eng.tokenizer
+    if args.raw:
+        prompts_ids = [tok.encode(p) for p in prompts]
+    else:
+        prompts_ids = [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if args.max_prompt_tokens:
+        prompts_ids = [ids[-args.max_prompt_tokens:] for ids in prompts_ids]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    base.generate([{"prompt_token_ids": prompts_ids[0][:32]}], SamplingParams(temperature=0, max_tokens=8),
+                  use_tqdm=False)  # warm-up
+    bw = measure_bandwidth_gbps(eng.device)
+    wbytes = weight_bytes_per_step(eng.model)
+    header = [
+        f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine_info()}",
+        f"- model: {eng.model_path} ({wbytes / 1e6:.0f} MB of {args.dtype} weights read per decode step)",
+        f"- measured read bandwidth: {bw:.1f} GB/s (sum over a 512 MB buffer)",
+        "",
+    ]
+    print("\n".join(header), flush=True)
+    rows: list[Row] = []
+    for m in methods:
+        cfg = METHOD_DEFAULTS[m]
+        if cfg is not None:
+            cfg = {**cfg, **overrides.get(m, {})}
+        llm = base if cfg is None else LLM.from_engine_of(base, speculative_config=cfg)
+        r1, rb = run_leapdecode(llm, prompts_ids, params, m, batched=not args.no_batched)
+        rows.append(r1)
+        if rb:
+            rows.append(rb)
+        print(f"  {m}: {r1.tok_per_s:.1f} tok/s at batch 1" + (f", {rb.tok_per_s:.1f} tok/s at batch {rb.batch}"
+                                                                if rb else ""), file=sys.stderr, flush=True)
+    eos = list(eng.eos_token_ids)
+    if "hf" in compare:
+        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
+    if "llama.cpp" in compare:
+        r = run_llamacpp(eng.model_path, prompts_ids, args.max_tokens, eos)
+        if r:
+            rows.append(r)
+    ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}
+    for r in rows:
+        base_row = ref.get(r.batch) if r.system == "leapdecode" else ref.get(1)
+        if base_row is not None:
+            r.speedup = r.tok_per_s / base_row.tok_per_s
+            if r.system == "leapdecode" and r.method != "none":
+                same = sum(a == b for a, b in zip(r.token_ids, base_row.token_ids))
+                r.identical = f"{same}/{len(r.token_ids)}"
+            elif r.system != "leapdecode":
+                same = sum(a == b for a, b in zip(r.token_ids, ref[1].token_ids))
+                r.identical = f"{same}/{len(r.token_ids)}"
+        if r.batch == 1 and r.system == "leapdecode":
+            r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
+    table = format_table(rows)
+    notes = [
+        "",
+        "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batched rows are total "
+        "output tokens / wall time with all requests submitted at once. speedup is against leapdecode `none` at the "
+        "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
+        "time per target step.",
+    ]
+    print(table)
+    print("\n".join(notes))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        md = "\n".join(header) + "\n" + table + "\n" + "\n".join(notes) + "\n"
+        out.with_suffix(".md").write_text(md)
+        out.with_suffix(".json").write_text(json.dumps({
+            "command": command, "machine": machine_info(), "bandwidth_gbps": bw, "weight_bytes": wbytes,
+            "prompts": args.prompts, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+            "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows],
+        }, indent=2))
+        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods and systems side by side on a prompt set",
+        description="Runs each decoding method (and optionally HF transformers / llama.cpp) on the same prompts "
+        "in one process and prints tokens/s, TTFT, time per output token, mean accepted tokens, speedup over "
+        "plain decoding and whether the output is token-identical to it.",
+    )
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", default="mt_bench",
+                   help="mt_bench (default), grounded (summaries/extraction over WikiText passages), or a "
+                   "question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
+    p.add_argument("--methods", default="none", help=f"comma list of: {', '.join(METHOD_DEFAULTS)}")
+    p.add_argument("--method-config", default=None,
+                   help='JSON of per-method overrides, e.g. \'{"draft_model": {"model": "path"}}\'')
+    p.add_argument("--compare", default=None, help="comma list: hf (HF transformers generate), llama.cpp")
+    p.add_argument("--no-batched", action="store_true", help="skip the all-prompts-at-once batched rows")
+    p.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of chat-templated")
+    p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)

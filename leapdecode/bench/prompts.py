@@ -1,0 +1,72 @@
+"""Benchmark prompt sets, read from the shared data folder (never used for training)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def shared_data_dir() -> Path:
+    """``$LEAPDECODE_DATA`` or the ``shared/data`` folder beside the repository checkout."""
+    env = os.environ.get("LEAPDECODE_DATA")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent.parent / "shared" / "data"
+        if cand.is_dir():
+            return cand
+    return Path.cwd().parent / "shared" / "data"
+
+
+def load_questions(path: Path, limit: int | None) -> list[str]:
+    """First turns of a Spec-Bench / MT-Bench style ``question.jsonl`` (``turns``), or ``prompt`` records."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} not found (set LEAPDECODE_DATA or pass --prompts PATH)")
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            text = rec["turns"][0] if "turns" in rec else rec.get("prompt") or rec.get("text")
+            if not text:
+                raise ValueError(f"{path}: a record has neither 'turns' nor 'prompt'")
+            out.append(text)
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+def grounded_prompts(limit: int | None, passage_words: int = 300) -> list[str]:
+    """Input-grounded tasks built from WikiText-2 validation paragraphs: summarise, or answer from the passage.
+    The answer copies heavily from the input, which is where prompt lookup shines."""
+    path = shared_data_dir() / "wikitext2" / "valid.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (set LEAPDECODE_DATA)")
+    paras = []
+    for line in open(path, encoding="utf-8"):
+        line = line.strip()
+        if line.startswith("=") or len(line.split()) < 120:
+            continue
+        text = " ".join(line.split()[:passage_words])
+        text = text.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace(" , ", ", ")
+        text = text.replace(" . ", ". ").replace(" 's", "'s")
+        paras.append(text)
+    tasks = [
+        "Summarize the following passage in a few sentences, reusing its wording.\n\n{p}",
+        "Read the passage and list every name, place and date it mentions, quoting the passage.\n\n{p}",
+        "Rewrite the following passage as a bulleted list of its key facts, quoting it closely.\n\n{p}",
+    ]
+    out = [tasks[i % len(tasks)].format(p=p) for i, p in enumerate(paras)]
+    return out[:limit] if limit else out
+
+
+def load_prompt_set(name: str, limit: int | None) -> list[str]:
+    data = shared_data_dir()
+    if name == "mt_bench":
+        return load_questions(data / "mt_bench" / "question.jsonl", limit)
+    if name == "grounded":
+        return grounded_prompts(limit)
+    return load_questions(Path(name), limit)
