@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (``leapdecode serve``): see :mod:`leapdecode.server.api_server`."""

@@ -1,0 +1,300 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset leapdecode serves).
+
+Request models are *lenient about unknown fields* (ignored: OpenAI clients send many optional ones) but
+*strict about the fields they know*: a wrong type or an out-of-range value fails validation, which the server
+turns into a 400 with an OpenAI-style error body. Fields the engine cannot honour (``n > 1``, ``logprobs``,
+``echo``, non-zero presence/frequency penalties, ...) are rejected explicitly rather than silently ignored.
+
+Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-decoding counters
+(``num_draft_tokens``, ``num_accepted_tokens``, ``mean_accepted_tokens``) next to the standard token counts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from leapdecode.sampling_params import SamplingParams
+
+# ------------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}`` — the body of every 4xx/5xx answer."""
+
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error to report to the client: HTTP ``status`` plus the OpenAI error fields.
+
+    ``headers`` are added to the response (e.g. ``Retry-After`` on 503)."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+# ----------------------------------------------------------------------------------------------- requests
+
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions. Ranges match ``SamplingParams``."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: StrictStr | None = None
+    # extensions (vLLM names)
+    top_k: StrictInt | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    # leapdecode extension: ``false`` opts this request out of speculative decoding
+    speculative: StrictBool = True
+
+    def check_supported(self) -> None:
+        """Raise ``APIError`` for fields that are valid OpenAI but that leapdecode does not implement."""
+        if self.n not in (None, 1):
+            raise APIError("only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported; use repetition_penalty instead", param=name)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Build the engine's ``SamplingParams``; a ``ValueError`` names the offending field."""
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        kw: dict[str, Any] = {
+            "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            # below 1e-5 the engine's float32 sampler can overflow to NaN: that is greedy anyway (as in vLLM)
+            "temperature": 0.0 if temperature < MIN_TEMPERATURE else temperature,
+            # a top_p that rounds to 0 in float32 would drop every token; a tiny top_p keeps the top token
+            "top_p": max(top_p, MIN_TOP_P),
+            "stop": self.stop or None,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "speculative": self.speculative,
+        }
+        for name in ("top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        return SamplingParams(**kw)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the ``[{"role", "content"}]`` list the chat template expects."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(_SamplingRequest):
+    # a string, a list of token ids, or a one-element batch of either
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return v[0]
+        return v
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    """Token counts; ``mean_accepted_tokens``: output tokens per target forward (1.0 without speculation)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_accepted_tokens: float = 1.0
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the non-streaming body and each streamed chunk (``object`` is ``text_completion`` in both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "leapdecode"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
