@@ -17,7 +17,7 @@ from leapdecode.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from leapdecode.layers.rotary import RotaryEmbedding
+from leapdecode.layers.rotary import RotaryEmbedding, apply_rotary
 from leapdecode.models.config import ModelConfig
 from leapdecode.parallel import divide, tp_size
 
@@ -52,8 +52,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -62,7 +61,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -87,8 +86,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x, rope, kv, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -124,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         Running a prefix of the layers is how self-speculation drafts with the target's own first layers.
         """
         x = self.embed_tokens(input_ids) if hidden is None else hidden
+        rope = self.rope.table(positions, x.dtype)
         for i in layers if layers is not None else range(len(self.layers)):
-            x = self.layers[i](x, positions, self.rope, kv_caches[i], meta)
+            x = self.layers[i](x, rope, kv_caches[i], meta)
         return self.norm(x) if final_norm else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
