@@ -143,7 +143,9 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def stream(self, prompt: Prompt | list[dict[str, str]], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt | list[dict[str, str]], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield a cumulative ``RequestOutput`` each time the request produces tokens (last one ``finished``).
 
         A list of role/content dicts is treated as a chat conversation."""

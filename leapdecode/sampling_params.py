@@ -48,12 +48,12 @@ class SamplingParams:
             raise bad("top_k", "must be -1 (disabled) or an integer >= 1")
         if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be a finite number > 0 (1.0 disables it)")
+        if not number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be a number in [0.01, 100] (1.0 disables it)")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if self.seed is not None and not integer(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not integer(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must be None or an integer in [-2**63, 2**64)")
         if isinstance(self.stop, str):
             self.stop_list = [self.stop]
         elif self.stop is None:

@@ -36,8 +36,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = list(mcfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
-            self.eos_token_ids.append(tokenizer.eos_token_id)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in self.eos_token_ids:
+            self.eos_token_ids.append(tok_eos)
         from leapdecode.layers.kv_quant import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
@@ -159,7 +160,9 @@ class LLMEngine:
         return outputs
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        logits = apply_repetition_penalty(logits, [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs])
+        logits = apply_repetition_penalty(
+            logits, [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs]
+        )
         greedy_tokens = logits.argmax(dim=-1).tolist()
         rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rand:

@@ -52,6 +52,7 @@ def processed_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.
         cum = sorted_p.cumsum(dim=-1)
         tp = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
         drop_sorted = (cum - sorted_p) >= tp  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[:, 0] = False  # the most likely token always survives (a tiny top_p rounds to 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     min_ps = [p.min_p for p in params]

@@ -170,7 +170,9 @@ def iter_gguf_tensors(reader, cfg: dict, desc: str) -> Iterator[tuple[str, torch
     for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False):
         kind = t.tensor_type.name
         if kind not in SUPPORTED_GGUF_TYPES:
-            raise ValueError(f"GGUF tensor {t.name} has unsupported type {kind} (supported: {sorted(SUPPORTED_GGUF_TYPES)})")
+            raise ValueError(
+                f"GGUF tensor {t.name} has unsupported type {kind} (supported: {sorted(SUPPORTED_GGUF_TYPES)})"
+            )
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         elif t.name.startswith("blk."):
@@ -245,7 +247,9 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torc
         p = params[target]
         piece = shard_tensor(full, getattr(p, "shard_dim", None), getattr(p, "shard_parts", None))
         if piece.shape != p.shape:
-            raise ValueError(f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}")
+            raise ValueError(
+                f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"
+            )
         with torch.no_grad():
             p.copy_(piece.to(dtype))
         loaded.add(target)

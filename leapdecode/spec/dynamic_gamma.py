@@ -14,7 +14,6 @@ from statistics import median
 
 from leapdecode.config import SpeculativeConfig
 
-
 PRIOR_ACCEPTANCE = 0.7  # optimistic, so a new sequence gets to try drafting
 
 

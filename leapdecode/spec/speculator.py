@@ -2,53 +2,79 @@
 
 from __future__ import annotations
 
-
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs
-from leapdecode.spec.dynamic_gamma import PRIOR_ACCEPTANCE, DynamicGamma, GammaState, StepCostModel
+from leapdecode.spec.dynamic_gamma import (
+    PRIOR_ACCEPTANCE,
+    DynamicGamma,
+    GammaState,
+    StepCostModel,
+    expected_tokens,
+)
 from leapdecode.spec.proposer import Proposer
 from leapdecode.spec.verify import verify_greedy, verify_sampling
 
 
-def make_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
-    if cfg.method == "ngram":
+def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> Proposer:
+    method = method or cfg.method
+    if method == "ngram":
         from leapdecode.spec.ngram import NgramProposer
 
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    if cfg.method == "draft_model":
+    if method == "draft_model":
         from leapdecode.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer.from_path(cfg.model, engine)  # type: ignore[arg-type]
     raise ValueError(
-        f"speculative method {cfg.method!r} is not available in this build yet; available: ngram, draft_model"
+        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, auto"
     )
 
 
+def auto_methods(cfg: SpeculativeConfig) -> list[str]:
+    """What ``auto`` chooses among: every lossless drafter usable without further arguments."""
+    methods = ["ngram"]
+    if cfg.model:
+        methods.append("draft_model")
+    return methods
+
+
 class Speculator:
+    """Owns one proposer per usable method (one, or several for ``auto``) and decides per sequence and per step
+    which method drafts and how many tokens, from each method's measured acceptance on that sequence and the
+    measured cost of target (and drafter) steps. Invariant: a sequence's drafts always come from one proposer
+    per step, recorded in ``seq.spec_state["method"]``, and only that proposer is told the verification result.
+    """
+
     def __init__(self, engine, cfg: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.proposer = proposer or make_proposer(cfg, engine)
+        names = auto_methods(cfg) if cfg.method == "auto" else [cfg.method]
+        if proposer is not None:
+            self.proposers = {cfg.method: proposer}
+        else:
+            self.proposers = {name: make_proposer(cfg, engine, name) for name in names}
+        self.proposer = next(iter(self.proposers.values()))  # the proposer of single-method configs
         self.gamma = DynamicGamma(cfg)
         self.cost: StepCostModel | None = None
-        if cfg.use_cost_model:
+        if cfg.use_cost_model or cfg.method == "auto":
             self.cost = StepCostModel.calibrate(self._timed_target_step)
-            draft_runner = getattr(self.proposer, "runner", None)
-            if draft_runner is not None:
-                draft_cost = StepCostModel.calibrate(
-                    lambda n: self._timed_step(draft_runner, n), sizes=(1, 2, 4, 8), repeats=3
-                )
-                self.proposer.step_cost_fn = draft_cost  # type: ignore[attr-defined]
+            for prop in self.proposers.values():
+                draft_runner = getattr(prop, "runner", None)
+                if draft_runner is not None:
+                    prop.step_cost_fn = StepCostModel.calibrate(  # type: ignore[attr-defined]
+                        lambda n, r=draft_runner, b=prop.bm: self._timed_step(r, b, n),  # type: ignore[attr-defined]
+                        sizes=(1, 2, 4, 8), repeats=3,
+                    )
 
     # -------------------------------------------------------------------------------------- calibration
     def _timed_target_step(self, n: int) -> None:
-        self._timed_step(self.engine.runner, n)
+        self._timed_step(self.engine.runner, self.engine.block_manager, n)
 
-    def _timed_step(self, runner, n: int) -> None:
+    @staticmethod
+    def _timed_step(runner, bm, n: int) -> None:
         """One forward of n tokens on a scratch sequence (one block table borrowed from the pool, returned)."""
-        bm = self.engine.block_manager if runner is self.engine.runner else self.proposer.bm  # type: ignore[attr-defined]
         ctx = 64  # a short chat context: the regime where the step cost matters most
         from leapdecode.spec.draft_model import _Shadow
 
@@ -62,39 +88,55 @@ class Speculator:
             bm.free(sh)
 
     # -------------------------------------------------------------------------------------------- policy
-    def state(self, seq: Sequence) -> GammaState:
-        st = seq.spec_state.get("gamma")
+    def state(self, seq: Sequence, method: str) -> GammaState:
+        key = "gamma:" + method
+        st = seq.spec_state.get(key)
         if st is None:
-            st = seq.spec_state["gamma"] = self.gamma.new_state()
+            st = seq.spec_state[key] = self.gamma.new_state()
         return st
 
     def budget_for(self, seq: Sequence) -> int:
-        """Draft tokens this decoding sequence may verify this step (0 = plain decoding)."""
+        """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
+        seq.spec_state["method"] = None
         if not seq.params.speculative:
             return 0
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.engine.max_model_len - seq.num_tokens - 1)
-        st = self.state(seq)
-        k = min(st.gamma, room)
-        if k <= 0:
+        if room <= 0:
             return 0
-        if self.cost is not None:
-            batch = max(1, len(self.engine.scheduler.running))
-            k = self.cost.best_gamma(
-                st.acceptance_ema, k, batch, batch, lambda g: self.proposer.step_cost(batch, g)
-            )
-            if k == 0:
-                # drift back toward the prior while not drafting, so a sequence whose text turns
-                # repetitive (or copies from its input) gets to try again
-                st.acceptance_ema += 0.05 * (PRIOR_ACCEPTANCE - st.acceptance_ema)
-        return k
+        batch = max(1, len(self.engine.scheduler.running))
+        best_name, best_k, best_rate = None, 0, 0.0
+        for name, prop in self.proposers.items():
+            st = self.state(seq, name)
+            k = min(st.gamma, room)
+            if self.cost is None:
+                rate = float(k)
+            else:
+                k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g, p=prop: p.step_cost(batch, g))
+                if k == 0:
+                    # drift back toward the prior while not drafting, so a sequence whose text turns
+                    # repetitive (or copies from its input) gets to try again
+                    st.acceptance_ema += 0.05 * (PRIOR_ACCEPTANCE - st.acceptance_ema)
+                    continue
+                t = self.cost(batch + k) + prop.step_cost(batch, k)
+                rate = (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
+            if k > 0 and rate > best_rate:
+                best_name, best_k, best_rate = name, k, rate
+        seq.spec_state["method"] = best_name
+        return best_k
 
     # ------------------------------------------------------------------------------------------- actions
     def propose(self, scheduled) -> None:
-        seqs = [s.seq for s in scheduled]
-        props = self.proposer.propose(seqs, [s.spec_budget for s in scheduled])
-        for seq, prop in zip(seqs, props):
-            seq.draft_token_ids = list(prop.tokens)
-            seq.draft_probs = prop.probs
+        by_method: dict[str, list] = {}
+        for s in scheduled:
+            by_method.setdefault(s.seq.spec_state.get("method") or "", []).append(s)
+        for name, group in by_method.items():
+            if name not in self.proposers:
+                continue
+            seqs = [s.seq for s in group]
+            props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
+            for seq, prop in zip(seqs, props):
+                seq.draft_token_ids = list(prop.tokens)
+                seq.draft_probs = prop.probs
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
         """Emitted tokens and the number of drafts accepted, from the target logits at the k+1 positions."""
@@ -110,12 +152,14 @@ class Speculator:
         m = seq.metrics
         m.num_draft_tokens += k
         m.num_accepted_tokens += accepted
-        self.gamma.update(self.state(seq), k, accepted)
-        self.proposer.on_verified(seq, seq.num_tokens, accepted)
+        name = seq.spec_state["method"]
+        self.gamma.update(self.state(seq, name), k, accepted)
+        self.proposers[name].on_verified(seq, seq.num_tokens, accepted)
         return tokens, accepted
 
     def release(self, seq: Sequence) -> None:
-        self.proposer.release(seq)
+        for prop in self.proposers.values():
+            prop.release(seq)
 
 
 __all__ = ["Speculator", "make_proposer"]

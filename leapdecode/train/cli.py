@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def add_cli(sub) -> None:
     p = sub.add_parser(
         "train",
