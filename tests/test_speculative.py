@@ -235,3 +235,12 @@ def test_bad_speculative_config_is_a_clear_error(tiny_model_dir):
         LLM(model=str(tiny_model_dir), speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model=str(tiny_model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_auto_is_lossless_and_picks_among_methods(tiny_model_dir, plain_tiny):
+    spec = LLM(model=str(tiny_model_dir), kv_cache_blocks=256,
+               speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    assert set(spec.engine.speculator.proposers) == {"ngram", "draft_model"}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
+    assert_no_leaks(spec)
