@@ -96,6 +96,8 @@ def test_greedy_tokens_match_hf(
             )
         )
         assert len(ours) >= 4 and out.outputs[0].text.strip()
+    bm = bundled_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
 def test_logits_close_to_hf(bundled_llm: LLM, hf_bundled: torch.nn.Module, chat_ids: list[list[int]]) -> None:

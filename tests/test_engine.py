@@ -279,7 +279,7 @@ def test_repetition_penalty_matches_hf(tiny_llm, hf_model) -> None:
             )[0, len(ids) :].tolist()
         assert ours == hf, penalty
     strong = toks(
-        tiny_llm.generate({"prompt_token_ids": ids}, greedy(16, repetition_penalty=1e4), use_tqdm=False)
+        tiny_llm.generate({"prompt_token_ids": ids}, greedy(16, repetition_penalty=100.0), use_tqdm=False)
     )[0]
     assert len(set(strong)) == 16 and not set(strong) & set(ids)  # nothing from the context repeats
 
@@ -375,6 +375,7 @@ def test_stream(tiny_llm, reference) -> None:
         dict(min_p=1.5),
         dict(repetition_penalty=0.0),
         dict(repetition_penalty=float("nan")),
+        dict(repetition_penalty=1e3),
         dict(max_tokens=0),
         dict(max_tokens=3.0),
         dict(seed="x"),
