@@ -49,7 +49,7 @@ def make_tiny_model(tmp_path_factory, tokenizer_dir):
     cache: dict = {}
 
     def make(seed: int = 0, **overrides) -> Path:
-        key = (seed, tuple(sorted(overrides.items())))
+        key = (seed, repr(sorted(overrides.items())))
         if key in cache:
             return cache[key]
         cfg = LlamaConfig(**{**TINY_DEFAULTS, **overrides})

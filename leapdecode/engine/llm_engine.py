@@ -193,8 +193,8 @@ class LLMEngine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        if not p.stop_list or not seq.finish_reason:
-            seq.output_text = self.decode(seq.output_token_ids)
+        if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):
+            seq.output_text = self.decode(seq.output_token_ids)  # a stop string already set the cut text
         # the cache holds num_computed_tokens positions; give back slots reserved for rejected drafts
         self.block_manager.trim(seq, seq.num_computed_tokens)
         self.block_manager.commit_full_blocks(seq)
