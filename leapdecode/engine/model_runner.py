@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,11 @@ class ModelRunner:
         self.group_size = model.config.num_attention_heads // model.config.num_key_value_heads
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
+        # Self-speculation (spec/self_spec.py) reads the residual stream after the first ``capture_layer`` layers
+        # of every full pass, so its drafter reuses the target's own hidden states for committed tokens instead
+        # of recomputing the shared layers. ``capture_fn(hidden, input_ids, positions, slot_mapping)``.
+        self.capture_layer: int | None = None
+        self.capture_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def prepare(self, items: list[ForwardItem]):
         ids: list[int] = []
@@ -71,7 +77,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem], layers: range | None = None) -> list[ForwardResult]:
         input_ids, pos, meta, rows = self.prepare(items)
-        hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, layers=layers)
+        kv = self.kv_cache.layers
+        if self.capture_fn is not None and self.capture_layer is not None and layers is None:
+            cut = self.capture_layer
+            h = self.model(input_ids, pos, kv, meta, layers=range(cut), final_norm=False)
+            self.capture_fn(h, input_ids, pos, meta.slot_mapping)
+            hidden = self.model(input_ids, pos, kv, meta, layers=range(cut, len(self.model.layers)), hidden=h)
+        else:
+            hidden = self.model(input_ids, pos, kv, meta, layers=layers)
         self.num_forward_calls += 1
         self.num_forward_tokens += int(input_ids.numel())
         sel = hidden.index_select(0, rows) if rows.numel() != hidden.shape[0] else hidden

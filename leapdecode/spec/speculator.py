@@ -27,16 +27,28 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         from leapdecode.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer.from_path(cfg.model, engine)  # type: ignore[arg-type]
+    if method == "self_spec":
+        from leapdecode.spec.self_spec import SelfSpecProposer
+
+        # under auto, "model" names the draft model, so self_spec uses the shipped adapter
+        return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto")
     raise ValueError(
-        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, auto"
+        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, "
+        "self_spec, auto"
     )
 
 
-def auto_methods(cfg: SpeculativeConfig) -> list[str]:
-    """What ``auto`` chooses among: every lossless drafter usable without further arguments."""
+def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
+    """What ``auto`` chooses among: every lossless drafter usable without further arguments (self_spec when the
+    shipped exit adapter was trained for the engine's target)."""
     methods = ["ngram"]
     if cfg.model:
         methods.append("draft_model")
+    if engine is not None:
+        from leapdecode.spec.self_spec import shipped_adapter_for
+
+        if shipped_adapter_for(engine.model) is not None:
+            methods.append("self_spec")
     return methods
 
 
@@ -50,7 +62,7 @@ class Speculator:
     def __init__(self, engine, cfg: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        names = auto_methods(cfg) if cfg.method == "auto" else [cfg.method]
+        names = auto_methods(cfg, engine) if cfg.method == "auto" else [cfg.method]
         if proposer is not None:
             self.proposers = {cfg.method: proposer}
         else:

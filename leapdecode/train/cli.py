@@ -13,6 +13,9 @@ def add_cli(sub) -> None:
     from leapdecode.train.distill import add_cli as add_distill
 
     add_distill(tsub)
+    from leapdecode.train.self_spec import add_cli as add_self_spec
+
+    add_self_spec(tsub)
     p.set_defaults(func=lambda a: a.train_func(a))
 
 

@@ -1,0 +1,270 @@
+"""Self-speculation (target layers [0, L) + exit adapter + shared LM head): lossless, shares the target's KV and
+hidden states instead of recomputing the shared layers, no leaks, and its training command lowers its loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.cli import main
+from leapdecode.models.loader import load_model
+from leapdecode.spec import self_spec
+from leapdecode.spec.self_spec import ExitAdapter, SelfSpecProposer, load_adapter, save_adapter
+
+from .conftest import assert_no_leaks
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
+    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
+    "a b c a b c a b",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny4(make_tiny_model) -> Path:
+    return make_tiny_model(num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny4, tmp_path_factory) -> dict[str, Path]:
+    """``exact``: L=3 with the adapter a copy of the last layer (the draft *is* the target: every draft is
+    accepted, which exercises the fully-accepted catch-up); ``rough``: L=2 from layer 2, untrained (mixed
+    acceptance, which exercises rollback)."""
+    model, _ = load_model(tiny4)
+    out = {}
+    for name, layer, init in [("exact", 3, "last"), ("rough", 2, "next")]:
+        d = tmp_path_factory.mktemp(f"adapter_{name}")
+        save_adapter(ExitAdapter.from_target(model, layer, init), d, model, {})
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain4(tiny4) -> LLM:
+    return LLM(model=str(tiny4), kv_cache_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def want(plain4) -> list[list[int]]:
+    return _tokens(plain4, PROMPTS, GREEDY)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _spec_llm(plain: LLM, adapter: Path, **kw) -> LLM:
+    cfg = {"method": "self_spec", "model": str(adapter), "use_cost_model": False, "min_draft_prob": 0.0}
+    overrides = {k: kw.pop(k) for k in ("kv_cache_blocks", "block_size", "max_num_seqs") if k in kw}
+    return LLM.from_engine_of(plain, speculative_config={**cfg, **kw}, **{"kv_cache_blocks": 256, **overrides})
+
+
+def _layer_row_counters(model) -> tuple[list[int], list]:
+    """Rows through each target layer, counted by forward pre-hooks (independent of the drafter's counters)."""
+    counts = [0] * len(model.layers)
+    handles = []
+    for i, layer in enumerate(model.layers):
+        def hook(_mod, inputs, i=i):
+            counts[i] += inputs[0].shape[0]
+        handles.append(layer.register_forward_pre_hook(hook))
+    return counts, handles
+
+
+# ------------------------------------------------------------------------------------------------ the adapter
+def test_dense_training_forward_matches_the_paged_inference_forward(tiny4):
+    """The training forward (dense causal attention) and the engine's (paged cache, flat batch) agree."""
+    from leapdecode.engine.block_manager import BlockManager
+    from leapdecode.engine.kv_cache import KVCache
+    from leapdecode.engine.model_runner import ForwardItem, ModelRunner
+    from leapdecode.spec.draft_model import _Shadow
+
+    model, cfg = load_model(tiny4)
+    adapter = ExitAdapter.from_target(model, 2, "next")
+    lens = [7, 3]
+    h = torch.randn(2, 7, cfg.hidden_size) * 3
+    dense = adapter.forward_dense(h, model.rope.table(torch.arange(7), h.dtype))
+    from dataclasses import replace
+
+    kv = KVCache(replace(cfg, num_hidden_layers=1), 8, 4, torch.float32, torch.device("cpu"))
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    runner = ModelRunner(model, kv, 4, torch.device("cpu"))
+    shadows = [_Shadow(), _Shadow()]
+    for sh, n in zip(shadows, lens):
+        bm.allocate(sh, n)
+    items = [ForwardItem(sh.block_table, 0, [0] * n, list(range(n))) for sh, n in zip(shadows, lens)]
+    _, pos, meta, _ = runner.prepare(items)
+    flat = torch.cat([h[0, :7], h[1, :3]])
+    with torch.no_grad():
+        paged = adapter(flat, model.rope.table(pos, flat.dtype), kv.layers[0], meta)
+    torch.testing.assert_close(paged[:7], dense[0, :7], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(paged[7:], dense[1, :3], atol=1e-4, rtol=1e-4)
+
+
+def test_adapter_roundtrip_and_compatibility_checks(tiny4, adapters, make_tiny_model):
+    model, _ = load_model(tiny4)
+    loaded, cfg, ranked = load_adapter(adapters["exact"], model)
+    assert cfg["layer"] == 3 and ranked is None
+    torch.testing.assert_close(loaded.layer.mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
+    other, _ = load_model(make_tiny_model(num_hidden_layers=4, hidden_size=32, intermediate_size=64))
+    with pytest.raises(ValueError, match="another model architecture"):
+        load_adapter(adapters["exact"], other)
+    with pytest.raises(ValueError, match="exit layer"):
+        ExitAdapter.from_target(model, 4)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("name", ["exact", "rough"])
+def test_self_spec_is_token_identical_and_never_recomputes_shared_layers(name, adapters, plain4, want):
+    spec = _spec_llm(plain4, adapters[name], block_size=4)
+    prop: SelfSpecProposer = spec.engine.speculator.proposer
+    L = prop.num_shared_layers
+    model = spec.engine.model
+    counts, handles = _layer_row_counters(model)
+    try:
+        outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafted > 0 and accepted > 0
+    if name == "exact":
+        assert accepted == drafted  # the draft is the target: every draft accepted (the catch-up path)
+        assert max(o.metrics.mean_accepted_tokens for o in outs) > 2.0
+    else:
+        assert accepted < drafted  # some rejected: the rollback path
+    target_rows = spec.engine.runner.num_forward_tokens
+    # per chain of k drafts the drafter feeds exactly k tokens (the last committed one and k-1 drafts) through
+    # layers [0, L): prompts and accepted tokens are never run through them again
+    for i in range(L):
+        assert counts[i] - target_rows == drafted, (i, counts[i], target_rows, drafted)
+    for i in range(L, len(model.layers)):
+        assert counts[i] == target_rows  # the drafter never touches the target's own layers
+    assert prop.num_shared_tokens == drafted
+    assert prop.num_fallback_tokens == 0
+    # everything the adapter saw came from drafting or from the target's captured hidden states
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    assert prop.num_catchup_tokens >= prompt_tokens
+    assert prop.num_adapter_tokens == prop.num_catchup_tokens + drafted
+    assert_no_leaks(spec)
+    assert not prop.shadows
+    assert prop.adapter_bm.num_free_blocks == prop.adapter_bm.num_blocks
+
+
+def test_batch_mixing_opt_outs_and_preemption(adapters, plain4):
+    """Mixed speculative opt-outs in one batch and a KV pool small enough to preempt: still token-identical
+    (after a preemption the drafter rebuilds from the target's recomputed hidden states), nothing leaks."""
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, speculative=(i % 3 != 1))
+              for i in range(6)]
+    prompts = PROMPTS + PROMPTS[:2]
+    want = _tokens(plain4, prompts, params)
+    spec = _spec_llm(plain4, adapters["exact"], block_size=4, kv_cache_blocks=60)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for i, o in enumerate(outs):
+        assert (o.metrics.num_draft_tokens == 0) == (i % 3 == 1)
+    prop = spec.engine.speculator.proposer
+    assert prop.num_fallback_tokens == 0
+    assert_no_leaks(spec)
+    assert prop.adapter_bm.num_free_blocks == prop.adapter_bm.num_blocks
+
+
+def test_min_draft_prob_stops_drafting_early(adapters, plain4, want):
+    never = _spec_llm(plain4, adapters["rough"], min_draft_prob=1.0)
+    assert _tokens(never, PROMPTS, GREEDY) == want
+    assert never.engine.stats["num_draft_tokens"] == 0
+    assert_no_leaks(never)
+    # the tiny random model is nearly uniform over 49k tokens: take the threshold from the draft's own top
+    # probabilities (their median), so about half the draft steps fall below it
+    probe = _spec_llm(plain4, adapters["rough"])
+    prop = probe.engine.speculator.proposer
+    tops: list[float] = []
+    logits_fn = prop._logits
+
+    def recording(h):
+        out = logits_fn(h)
+        tops.extend(torch.softmax(out, dim=-1).max(dim=-1).values.tolist())
+        return out
+
+    prop._logits = recording
+    probe.generate(PROMPTS, GREEDY, use_tqdm=False)
+    some = _spec_llm(plain4, adapters["rough"], min_draft_prob=sorted(tops)[len(tops) // 2])
+    outs = some.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    prop = some.engine.speculator.proposer
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    # a chain cut short fed one row (the unconfident step) that yielded no draft
+    assert 0 < drafted < prop.num_shared_tokens
+    assert_no_leaks(some)
+
+
+def test_sampling_with_self_spec_runs_and_accepts(adapters, plain4):
+    spec = _spec_llm(plain4, adapters["exact"])
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
+    outs = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert_no_leaks(spec)
+
+
+def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapters, plain4, tiny4, want,
+                                                                            monkeypatch, tmp_path):
+    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", tmp_path / "none")
+    with pytest.raises(ValueError, match="needs a trained exit adapter"):
+        LLM.from_engine_of(plain4, speculative_config={"method": "self_spec"})
+    with pytest.raises(ValueError, match="min_draft_prob"):
+        _spec_llm(plain4, adapters["exact"], min_draft_prob=2)
+    auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
+    assert "self_spec" not in auto.engine.speculator.proposers
+    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", adapters["exact"])  # "ship" an adapter for this target
+    auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto", "use_cost_model": False},
+                              kv_cache_blocks=256)
+    assert set(auto.engine.speculator.proposers) == {"ngram", "self_spec"}
+    assert _tokens(auto, PROMPTS, GREEDY) == want
+    assert_no_leaks(auto)
+    default = LLM.from_engine_of(plain4, speculative_config={"method": "self_spec", "use_cost_model": False},
+                                 kv_cache_blocks=256)
+    assert default.engine.speculator.proposer.num_shared_layers == 3
+
+
+# ------------------------------------------------------------------------------------------------- training
+def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    topics = ["the sea", "cats", "numbers", "gravity", "colors", "the sky", "bread", "Hamlet"]
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
+                                 for i, t in enumerate(topics)))
+    data = tmp_path / "distill"
+    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
+                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    out = tmp_path / "adapter"
+    args = ["train", "self-spec", "--data", str(data), "--layer", "2", "--model", str(tiny4), "--out", str(out),
+            "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25", "--lr", "3e-3",
+            "--warmup", "2", "--hard-weight", "0.5"]
+    assert main([*args, "--epochs", "2"]) == 0
+    rec = json.loads((out / "record.json").read_text())
+    assert rec["command"].startswith("leapdecode train self-spec --data")
+    assert rec["data"]["manifest"]["num_prompts"] == len(topics) and rec["seed"] == 0
+    assert main([*args, "--epochs", "4"]) == 0  # resumes from the checkpoint: two more epochs
+    assert "resuming from" in capsys.readouterr().out
+    rec = json.loads((out / "record.json").read_text())
+    hist = rec["history"]
+    assert rec["resumed"] and [h["epoch"] for h in hist] == [0, 1, 2, 3, 4]
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"]
+    assert min(h["val_loss"] for h in hist[1:]) < hist[0]["val_loss"]
+    assert 0.0 <= hist[-1]["agree"] <= 1.0 and "agree_subset_head" in hist[-1]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer"] == 2 and cfg["loss_vocab"] == 4096
+    # the artefact drives self-speculation, also with the ranked-vocabulary head
+    for extra in ({}, {"draft_vocab": 4096}):
+        spec = _spec_llm(plain4, out, **extra)
+        assert _tokens(spec, PROMPTS, GREEDY) == want
+        assert spec.engine.stats["num_draft_tokens"] > 0
+        assert_no_leaks(spec)
