@@ -426,7 +426,8 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     base_key = {"data": data_hash, "model": str(model_path), "dtype": args.dtype, "max_seq_len": args.max_seq_len,
                 "max_records": args.max_records}
     teacher_key = {**base_key, "topk": args.topk}
-    tpath, hpath = out / "cache" / "teacher.pt", out / "cache" / f"hidden_L{args.layer}.pt"
+    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
+    tpath, hpath = cache_dir / "teacher.pt", cache_dir / f"hidden_L{args.layer}.pt"
     tcache: dict[str, Any] = {}
 
     def build_teacher() -> dict[str, Any]:
@@ -605,6 +606,9 @@ def add_cli(tsub) -> None:
     p.add_argument("--layer", type=int, required=True, help="L: target layers shared by the drafter")
     p.add_argument("--out", default=None, help="output folder (default runs/self_spec_L<L>)")
     p.add_argument("--model", default=None, help="target model (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where cached h_L / teacher logits live (default OUT/cache); share it between runs for "
+                   "several L so the teacher pass runs once")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--init", default="last", choices=["next", "last"],
