@@ -95,18 +95,19 @@ def test_contiguous_first_allocation() -> None:
     assert a.block_table == [0, 2]
     bm.allocate(b, 12)  # 2 is taken, so 3, then 4 right after it
     assert b.block_table == [1, 3, 4]
-    bm.free(a)  # free list order is now 5..11, 2, 0
+    bm.free(a)  # freed blocks go to the head of the free list (most recent first): 0, 2, 5..11
     c = seq(4, "c")
     bm.allocate(c, 4)
-    assert c.block_table == [5]
-    bm.allocate(c, 16)  # 6, 7, 8 follow 5: contiguous even though 0 and 2 were freed
-    assert c.block_table == [5, 6, 7, 8]
-    # a table ending at block 11 cannot extend to 12: falls back to the free list head
+    assert c.block_table == [0]  # the most recently freed block is reused first
+    bm.allocate(c, 16)  # 1 is b's: head 2, then 3 is b's: head 5, then 6 right after it
+    assert c.block_table == [0, 2, 5, 6]
     d = seq(4, "d")
-    bm.allocate(d, 12)
-    assert d.block_table == [9, 10, 11]
     bm.allocate(d, 16)
-    assert d.block_table == [9, 10, 11, 2]
+    assert d.block_table == [7, 8, 9, 10]
+    bm.free(d)
+    e = seq(4, "e")
+    bm.allocate(e, 12)
+    assert e.block_table == [7, 8, 9]  # a freed run is handed out again as a run
     check_accounting(bm)
 
 
@@ -177,7 +178,7 @@ def test_lru_reuse_of_cached_free_blocks() -> None:
     # new blocks come from the free list first, then evict the least recently freed cached block
     c = seq([5] * 13, "c")
     bm.allocate(c, 13)  # 4 blocks: 2, 5 (free list), then evict 4, 3
-    assert c.block_table == [2, 5, 4, 3]
+    assert c.block_table == [5, 2, 4, 3]  # free blocks (most recently freed first), then LRU evictions
     assert list(bm.cached_free) == [1, 0]
     assert bm.match_prefix(seq([7] * 4 + [8] * 4 + [9], "b2")) == 0  # b's blocks were evicted
     a3 = seq([1] * 4 + [2] * 4 + [3], "a3")

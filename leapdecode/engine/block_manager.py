@@ -174,7 +174,9 @@ class BlockManager:
                 self.cached_free[bid] = None
             else:
                 block.block_hash, block.token_ids = None, ()
+                # most recently freed first: reuse keeps the touched part of the pool small and cache-warm
                 self.free_ids[bid] = None
+                self.free_ids.move_to_end(bid, last=False)
 
     def reset_prefix_cache(self) -> None:
         for bid in list(self.cached_free):
