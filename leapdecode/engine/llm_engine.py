@@ -136,10 +136,12 @@ class LLMEngine:
                     list(range(n - 1, n + len(drafts))) if reaches_end else [],
                 )
             )
+            if drafts:
+                spec.shape_item(seq, items[-1], n)  # candidate trees: RoPE depths + ancestor mask
         results = self.runner.execute(items)
 
         outputs: list[RequestOutput] = []
-        sample_seqs, sample_logits = [], []
+        sample_seqs, sample_logits, sample_res = [], [], []
         for s, res in zip(sched.scheduled, results):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
@@ -150,13 +152,17 @@ class LLMEngine:
                 new_tokens, accepted = spec.verify(seq, res)
                 seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
                 self._emit(seq, new_tokens, outputs)
+                spec.observe(seq, res)  # drafters reading hidden states (Medusa) get the last emitted row's
             else:
                 sample_seqs.append(seq)
                 sample_logits.append(res.logits[-1])
+                sample_res.append(res)
         if sample_seqs:
             tokens = self.sample(sample_seqs, torch.stack(sample_logits))
-            for seq, tok in zip(sample_seqs, tokens):
+            for seq, tok, res in zip(sample_seqs, tokens, sample_res):
                 self._emit(seq, [tok], outputs)
+                if spec:
+                    spec.observe(seq, res)
         return outputs
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -48,3 +48,15 @@ class Proposer(ABC):
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:
         """Seconds the drafter spends to propose ``num_tokens`` per sequence (0 for lookup methods)."""
         return 0.0
+
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:  # noqa: B027
+        """Called after each step that emitted tokens for ``seq`` (and is not finished) with the target's final
+        hidden state at the position whose logits produced the last emitted token. Default: ignored; drafters
+        that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
+
+    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float] | None:
+        """Tree drafters size their own proposals (a tree's acceptance is not the chain model's per-token rate):
+        return ``(nodes, expected tokens per step)`` for ``seq`` this step, at most ``room`` nodes, given the
+        engine's step-cost model ``cost`` (may be None) and the number of running sequences. ``None`` (chain
+        drafters) means "use dynamic gamma"."""
+        return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.sequence import Sequence
@@ -14,6 +16,15 @@ from leapdecode.spec.dynamic_gamma import (
     expected_tokens,
 )
 from leapdecode.spec.proposer import Proposer
+from leapdecode.spec.tree import (
+    compaction_moves,
+    depths_of,
+    path_to,
+    tree_attention_mask,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_tree_typical,
+)
 from leapdecode.spec.verify import verify_greedy, verify_sampling
 
 
@@ -27,13 +38,17 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         from leapdecode.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer.from_path(cfg.model, engine)  # type: ignore[arg-type]
+    if method == "medusa":
+        from leapdecode.spec.medusa import MedusaProposer
+
+        return MedusaProposer.from_config(cfg, engine)
     if method == "self_spec":
         from leapdecode.spec.self_spec import SelfSpecProposer
 
         # under auto, "model" names the draft model, so self_spec uses the shipped adapter
         return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto")
     raise ValueError(
-        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, "
+        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, medusa, "
         "self_spec, auto"
     )
 
@@ -118,6 +133,16 @@ class Speculator:
         batch = max(1, len(self.engine.scheduler.running))
         best_name, best_k, best_rate = None, 0, 0.0
         for name, prop in self.proposers.items():
+            tree = prop.tree_budget(seq, room, self.cost, batch)
+            if tree is not None:  # tree drafters size their own proposals (Proposer.tree_budget)
+                k, exp_tokens = tree
+                if k <= 0:
+                    continue
+                rate = exp_tokens if self.cost is None else \
+                    (batch - 1 + exp_tokens) / (self.cost(batch + k) + prop.step_cost(batch, k))
+                if rate > best_rate:
+                    best_name, best_k, best_rate = name, k, rate
+                continue
             st = self.state(seq, name)
             k = min(st.gamma, room)
             if self.cost is None:
@@ -149,9 +174,30 @@ class Speculator:
             for seq, prop in zip(seqs, props):
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
+                seq.spec_state["tree_parents"] = list(prop.parents) if prop.parents and prop.tokens else None
+
+    def shape_item(self, seq: Sequence, item: ForwardItem, num_prefix: int) -> None:
+        """A candidate tree runs as ``num_prefix`` ordinary tokens (the last is the root) plus its nodes at
+        RoPE positions by depth under the ancestor mask; chains keep the plain causal layout."""
+        parents = seq.spec_state.get("tree_parents")
+        if parents is None:
+            return
+        item.depths = list(range(num_prefix)) + [num_prefix - 1 + d for d in depths_of(parents)]
+        item.tree_mask = tree_attention_mask(parents, num_prefix)
+
+    def observe(self, seq: Sequence, res: ForwardResult) -> None:
+        """Hand the drafters the hidden state behind the last emitted token (row recorded by ``verify``; the
+        last row after plain sampling)."""
+        row = seq.spec_state.pop("hidden_row", -1)
+        if not seq.is_finished and res.hidden.numel():
+            for prop in self.proposers.values():
+                prop.observe(seq, res.hidden[row])
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
         """Emitted tokens and the number of drafts accepted, from the target logits at the k+1 positions."""
+        parents = seq.spec_state.get("tree_parents")
+        if parents is not None:
+            return self._verify_tree(seq, res, parents)
         drafts = seq.draft_token_ids
         k = len(drafts)
         contexts = [seq.token_ids + drafts[:j] for j in range(k + 1)]
@@ -167,6 +213,47 @@ class Speculator:
         name = seq.spec_state["method"]
         self.gamma.update(self.state(seq, name), k, accepted)
         self.proposers[name].on_verified(seq, seq.num_tokens, accepted)
+        seq.spec_state["hidden_row"] = accepted
+        return tokens, accepted
+
+    def _verify_tree(self, seq: Sequence, res: ForwardResult, parents: list[int]) -> tuple[list[int], int]:
+        """Walk the tree (tree.py) and move the accepted nodes' K/V into the sequential slots of their
+        positions; the engine then advances ``num_computed_tokens`` by the path length and trims the rest."""
+        drafts = seq.draft_token_ids
+        n = len(drafts)
+        prop = self.proposers[seq.spec_state["method"]]
+        pen = seq.params.repetition_penalty
+        logits = res.logits
+        if pen != 1.0:
+            contexts = [seq.token_ids] + [seq.token_ids + [drafts[j] for j in path_to(i, parents)] for i in range(n)]
+            logits = apply_repetition_penalty(logits, contexts, [pen] * (n + 1))
+        if seq.params.greedy:
+            tokens, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+        else:
+            p = processed_probs(logits, [seq.params] * (n + 1))
+            gen = seq.generator or self.engine.generator
+            typical = getattr(prop, "typical", None)
+            if typical is not None:  # lossy opt-in
+                tokens, path = verify_tree_typical(p, drafts, parents, gen, *typical)
+            else:
+                tokens, path = verify_tree_sampling(p, drafts, parents, gen)
+        moves = compaction_moves(path)
+        if moves:
+            base = seq.num_computed_tokens  # position of the first node's slot (right after the root)
+            bm, kv = self.engine.block_manager, self.engine.kv_cache
+            dev = kv.pool.device
+            src = torch.tensor([bm.slot(seq, base + a) for a, _ in moves], dtype=torch.long, device=dev)
+            dst = torch.tensor([bm.slot(seq, base + b) for _, b in moves], dtype=torch.long, device=dev)
+            if hasattr(kv, "copy_slots"):  # also moves int8 scales
+                kv.copy_slots(src, dst)
+            else:
+                kv.pool.index_copy_(2, dst, kv.pool.index_select(2, src))
+        accepted = len(path)
+        m = seq.metrics
+        m.num_draft_tokens += n
+        m.num_accepted_tokens += accepted
+        prop.on_verified(seq, seq.num_tokens, accepted)
+        seq.spec_state["hidden_row"] = path[-1] + 1 if path else 0
         return tokens, accepted
 
     def release(self, seq: Sequence) -> None:

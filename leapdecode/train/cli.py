@@ -16,6 +16,9 @@ def add_cli(sub) -> None:
     from leapdecode.train.self_spec import add_cli as add_self_spec
 
     add_self_spec(tsub)
+    from leapdecode.train.medusa import add_cli as add_medusa
+
+    add_medusa(tsub)
     p.set_defaults(func=lambda a: a.train_func(a))
 
 
