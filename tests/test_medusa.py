@@ -352,7 +352,8 @@ def test_cli_trains_exports_and_retunes_the_tree(distill_dir, tiny_model_dir, tm
     out = tmp_path / "heads"
     rc = main(["train", "medusa", "--data", str(distill_dir), "--out", str(out), "--model", str(tiny_model_dir),
                "--work-dir", str(tmp_path / "w"), "--layout", "one-per-offset", "--max-steps", "6",
-               "--batch-size", "32", "--vocab-subset", "512", "--val-frac", "0.2"])
+               "--batch-size", "32", "--vocab-subset", "512", "--val-frac", "0.2",
+               "--cache-dir", str(tmp_path / "c"), "--cache-precision", "bf16"])
     assert rc == 0 and "wrote Medusa heads" in capsys.readouterr().out
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["command"].startswith("leapdecode ") and recipe["data"]["sha256_16"]

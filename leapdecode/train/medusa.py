@@ -114,6 +114,7 @@ class MedusaTrainConfig:
     tree_max_nodes: int = 64
     save_every: int = 200
     cache_batch_tokens: int = 2048
+    cache_precision: str = "fp32"  # bf16: autocast the caching forward (faster on AMX CPUs, ~0.6% hidden error)
     seed: int = 0
     restart: bool = False
     limit_samples: int | None = None
@@ -123,7 +124,7 @@ class MedusaTrainConfig:
         self.temperatures = tuple(float(x) for x in self.temperatures)
         if self.targets not in ("hard", "soft"):
             raise ValueError(f"targets must be hard or soft, got {self.targets!r}")
-        if self.precision not in ("bf16", "fp32"):
+        if self.precision not in ("bf16", "fp32") or self.cache_precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be bf16 or fp32, got {self.precision!r}")
         if not self.loss_weights or min(self.loss_weights) < 0:
             raise ValueError("loss weights must be a non-empty list of non-negative numbers")
@@ -329,7 +330,7 @@ def build_hidden_cache(cfg: MedusaTrainConfig, llm, samples_path: Path, log=prin
     if not samples:
         raise ValueError(f"{samples_path} has no samples with answers")
     key = {"samples": file_digest(samples_path), "limit": cfg.limit_samples, "model": str(llm.engine.model_path),
-           "dtype": cfg.dtype}
+           "dtype": cfg.dtype, "precision": cfg.cache_precision}
     meta_path = cache / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     if meta is not None and meta.get("key") == key and meta.get("complete"):
@@ -360,7 +361,8 @@ def build_hidden_cache(cfg: MedusaTrainConfig, llm, samples_path: Path, log=prin
     bar = tqdm(total=n, initial=int(starts[done]), desc="hidden cache", unit="tok")
     for g in groups:
         g = [i for i in g if i >= done]
-        rows = hidden_rows(llm.engine, [samples[i] for i in g])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.cache_precision == "bf16"):
+            rows = hidden_rows(llm.engine, [samples[i] for i in g])
         for i, h in zip(g, rows):
             hid[starts[i] : starts[i + 1]] = h.numpy().astype(np.float16)
         hid.flush()
@@ -993,6 +995,8 @@ def add_cli(tsub) -> None:
     p.add_argument("--tree-max-nodes", type=int, default=d.tree_max_nodes)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--cache-batch-tokens", type=int, default=d.cache_batch_tokens)
+    p.add_argument("--cache-precision", default=d.cache_precision, choices=["bf16", "fp32"],
+                   help="bf16 autocast for the one-off hidden-state pass (faster; inference stays float32)")
     p.add_argument("--limit-samples", type=int, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
