@@ -62,7 +62,9 @@ class SpeculativeConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
             f"{self.prompt_lookup_max}",
         )
-        _check(1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max")
+        _check(
+            1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max"
+        )
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
         _check(self.method != "draft_model" or bool(self.model), 'method "draft_model" needs "model": PATH')
@@ -79,7 +81,14 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.25
+    # share of free memory the KV pool may take when kv_cache_blocks is None (it is also capped at what
+    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used
+    kv_cache_memory_fraction: float = 0.15
+    # KV storage: "auto" = the model dtype; "int8" quantizes on write (3.9x smaller than float32; kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    # host-memory KV tier for preempted sequences (0 = off: preemption recomputes); swap_path backs it by a file
+    swap_space_gb: float = 0.0
+    swap_path: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -96,18 +105,30 @@ class EngineConfig:
             raise ValueError(f"invalid device {self.device!r}: {e}") from None
         if dev.type == "cuda":
             _check(torch.cuda.is_available(), "device='cuda' requested but CUDA is not available")
-        _check(isinstance(self.block_size, int) and self.block_size >= 1, f"block_size must be >= 1, got {self.block_size!r}")
+        _check(
+            isinstance(self.block_size, int) and self.block_size >= 1,
+            f"block_size must be >= 1, got {self.block_size!r}",
+        )
         _check(
             self.kv_cache_blocks is None or (isinstance(self.kv_cache_blocks, int) and self.kv_cache_blocks >= 1),
             f"kv_cache_blocks must be None (size from memory) or >= 1, got {self.kv_cache_blocks!r}",
         )
         _check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
+        kv_choices = ("auto", "float32", "float16", "bfloat16", "int8")
+        _check(
+            self.kv_cache_dtype in kv_choices,
+            f"kv_cache_dtype must be one of {kv_choices}, got {self.kv_cache_dtype!r}",
+        )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(
+            isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
+            f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
+        )
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

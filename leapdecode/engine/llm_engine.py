@@ -48,7 +48,15 @@ class LLMEngine:
         )
         self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.swap = None
+        if config.swap_space_gb > 0:
+            from leapdecode.engine.swap import HostKVPool
+
+            per_block = self.kv_cache.nbytes // num_blocks
+            self.swap = HostKVPool(self.kv_cache, int(config.swap_space_gb * (1 << 30)) // per_block, config.swap_path)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, swap=self.swap
+        )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}

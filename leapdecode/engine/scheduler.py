@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.engine.swap import HostKVPool
 
 
 @dataclass
@@ -45,8 +46,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        swap: HostKVPool | None = None,
+    ) -> None:
         self.bm = block_manager
+        self.swap = swap  # host tier: preempted sequences swap out instead of recomputing (when it has room)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -99,7 +107,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.num_computed_tokens == 0:
+            if seq.swap_handle is not None:
+                if not self._swap_in(seq):
+                    break  # FCFS: the oldest waits for blocks
+            elif not seq.block_table and seq.num_computed_tokens == 0:
                 cached = self.bm.match_prefix(seq)
                 seq.num_computed_tokens = cached
                 seq.metrics.num_cached_prompt_tokens = max(
@@ -126,6 +137,10 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.swap is not None and seq.num_computed_tokens > 0:
+            # keep the computed KV in the host tier instead of recomputing it later
+            n = seq.num_computed_tokens
+            seq.swap_handle = self.swap.swap_out(seq.block_table[: self.bm.blocks_needed(n)], n)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -135,6 +150,20 @@ class Scheduler:
         items = list(self.waiting) + [seq]
         self.waiting = deque(sorted(items, key=lambda s: s.arrival))
 
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Bring a swapped-out sequence's KV back into fresh device blocks; False if they do not fit yet."""
+        handle = seq.swap_handle
+        assert handle is not None and self.swap is not None
+        # its next token must fit too, else it would be preempted again at once
+        if not self.bm.can_allocate(seq, handle.num_tokens + 1):
+            return False
+        self.bm.allocate(seq, handle.num_tokens)
+        self.swap.swap_in(handle, seq.block_table)
+        seq.num_computed_tokens = handle.num_tokens
+        seq.block_hashes = []  # re-registered by commit_full_blocks as the sequence runs
+        seq.swap_handle = None
+        return True
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
         if seq in self.running:
@@ -142,4 +171,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+        if seq.swap_handle is not None and self.swap is not None:
+            self.swap.release(seq.swap_handle)
+            seq.swap_handle = None
         seq.status = SequenceStatus.FINISHED
