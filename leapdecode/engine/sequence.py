@@ -43,8 +43,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []
-        self.swap_handle = None  # a SwapHandle (engine/swap.py) while its KV waits in the host tier  # chained hashes of the full, computed blocks (prefix cache)
+        self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks (prefix cache)
+        self.swap_handle = None  # a SwapHandle (engine/swap.py) while its KV waits in the host tier
         self.status = SequenceStatus.WAITING
         self.arrival = next(_arrival)
         self.arrival_time = time.perf_counter()
