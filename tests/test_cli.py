@@ -47,14 +47,15 @@ def test_bench_writes_tables(tiny_model_dir, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"turns": [f"Question {i}: say something."]}) for i in range(3)))
     out = tmp_path / "res"
     rc = main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--num-prompts", "3",
-               "--max-tokens", "6", "--methods", "none,ngram", "--out", str(out)])
+               "--max-tokens", "6", "--methods", "none,ngram", "--prefix-reuse", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {(r["method"], r["batch"]) for r in data["rows"]}
     assert rows == {("none", 1), ("none", 3), ("ngram", 1), ("ngram", 3)}
     ngram1 = next(r for r in data["rows"] if r["method"] == "ngram" and r["batch"] == 1)
     assert ngram1["identical"] == "3/3"
-    assert "| system | method |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| system | method |" in md and "| warm |" in md
 
 
 def test_distill_data_refuses_mt_bench_and_resumes(tiny_model_dir, tmp_path):

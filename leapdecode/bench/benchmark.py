@@ -195,6 +195,23 @@ def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int
                _median(tpot), token_ids=toks)
 
 
+def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
+    """Two requests that share a long prefix: the second reuses the cached blocks and its TTFT drops."""
+    from leapdecode import SamplingParams
+
+    tok = llm.get_tokenizer()
+    shared = [t for ids in prefix_ids for t in ids][: llm.engine.max_model_len // 2]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.engine.block_manager.reset_prefix_cache()
+    lines = ["| run | prompt tokens | cached prompt tokens | TTFT ms |", "|---|---|---|---|"]
+    for label, tail in (("cold", " First question?"), ("warm", " " + question)):
+        ids = shared + tok.encode(tail)
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        m = out.metrics
+        lines.append(f"| {label} | {m.num_prompt_tokens} | {m.num_cached_prompt_tokens} | {m.ttft_s * 1e3:.0f} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row]) -> str:
     head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
             "| weight GB/s |")
@@ -282,6 +299,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if r.batch == 1 and r.system == "leapdecode":
             r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
     table = format_table(rows)
+    if args.prefix_reuse:
+        table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
+        table += run_prefix_reuse(base, prompts_ids, "Second question?")
     notes = [
         "",
         "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batched rows are total "
@@ -328,6 +348,8 @@ def add_cli(sub) -> None:
     p.add_argument("--compare", default=None, help="comma list: hf (HF transformers generate), llama.cpp")
     p.add_argument("--no-batched", action="store_true", help="skip the all-prompts-at-once batched rows")
     p.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of chat-templated")
+    p.add_argument("--prefix-reuse", action="store_true",
+                   help="also time a cold and a warm request sharing a long prefix (prefix-cache TTFT)")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
