@@ -71,13 +71,20 @@ def cmd_distill(args: argparse.Namespace) -> int:
                 f.flush()
                 bar.update(len(chunk))
             bar.close()
+    total = {"records": 0, "output_tokens": 0, "prompt_tokens": 0}
+    for line in open(data_file):
+        r = json.loads(line)
+        total["records"] += 1
+        total["output_tokens"] += len(r["output_token_ids"])
+        total["prompt_tokens"] += len(r["prompt_token_ids"])
     manifest = {
         "command": "leapdecode train distill-data " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if k not in ("func", "train_func", "command", "train_command") and v not in (None, False)),
         "model": str(llm.engine.model_path), "prompts": str(prompts_path), "num_prompts": len(recs),
         "modes": [m for m, _ in modes], "max_tokens": args.max_tokens, "seed": args.seed,
-        "new_output_tokens": n_tokens, "seconds": round(time.time() - t0, 1), "file": data_file.name,
+        "new_output_tokens": n_tokens, "seconds_this_run": round(time.time() - t0, 1), "file": data_file.name,
+        **{f"total_{k}": v for k, v in total.items()},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     print(f"wrote {data_file} ({n_tokens} new output tokens) and manifest.json")
