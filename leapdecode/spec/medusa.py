@@ -216,6 +216,26 @@ def load_heads(folder: str | Path) -> tuple[MedusaHeads, torch.Tensor | None, di
     return heads.requires_grad_(False).eval(), subset, cfg
 
 
+def shipped_heads_for(target) -> Path | None:
+    """The shipped heads when they were trained for this target (same shapes and LM-head fingerprint), else
+    None; ``auto`` only offers Medusa then."""
+    cfg_file = DEFAULT_HEADS_DIR / "config.json"
+    if not (DEFAULT_HEADS_DIR / "heads.safetensors").is_file() or not cfg_file.is_file():
+        return None
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return None
+    mcfg = target.config
+    if meta.get("hidden_size") != mcfg.hidden_size or meta.get("vocab_size", mcfg.vocab_size) != mcfg.vocab_size:
+        return None
+    fp = meta.get("base_model", {}).get("lm_head_fingerprint")
+    here = lm_head_fingerprint(target.lm_head.get_weight())
+    if fp is None or any(abs(a - b) > 1e-2 * max(1.0, abs(b)) for a, b in zip(fp, here)):
+        return None
+    return DEFAULT_HEADS_DIR
+
+
 def lm_head_fingerprint(weight: torch.Tensor) -> list[float]:
     """A few sums of the LM head, to warn when heads are loaded onto a different model of the same shape."""
     w = weight.detach().float().cpu()

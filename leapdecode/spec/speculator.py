@@ -64,6 +64,10 @@ def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
 
         if shipped_adapter_for(engine.model) is not None:
             methods.append("self_spec")
+        from leapdecode.spec.medusa import shipped_heads_for
+
+        if shipped_heads_for(engine.model) is not None:
+            methods.append("medusa")
     return methods
 
 
@@ -131,7 +135,8 @@ class Speculator:
         if room <= 0:
             return 0
         batch = max(1, len(self.engine.scheduler.running))
-        best_name, best_k, best_rate = None, 0, 0.0
+        # every method must beat plain decoding's rate to be chosen
+        best_name, best_k, best_rate = None, 0, (batch / self.cost(batch) if self.cost is not None else 0.0)
         for name, prop in self.proposers.items():
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None:  # tree drafters size their own proposals (Proposer.tree_budget)
