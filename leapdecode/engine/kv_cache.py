@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from leapdecode.layers.kv_quant import SCALE_DTYPE, KVPlane, QuantizedKV, bytes_per_token_head
+from leapdecode.layers.kv_quant import SCALE_DTYPE, KVPlane, QuantizedKV, bytes_per_token_head, rotation_matrix
 from leapdecode.models.config import ModelConfig
 from leapdecode.parallel import divide, tp_size
 
@@ -47,13 +47,15 @@ class KVCache:
             cfg.num_hidden_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
         self.scales: torch.Tensor | None = None
+        self.rotation: torch.Tensor | None = None
         self.layers: list[tuple[KVPlane, KVPlane]]
         if dtype == torch.int8:
             self.scales = torch.zeros(
                 cfg.num_hidden_layers, 2, slots, self.num_kv_heads, dtype=SCALE_DTYPE, device=device
             )
+            self.rotation = rotation_matrix(cfg.head_dim, device)  # shared by all planes (see kv_quant)
             self.layers = [
-                tuple(QuantizedKV(self.pool[i, j], self.scales[i, j]) for j in (0, 1))  # type: ignore[misc]
+                tuple(QuantizedKV(self.pool[i, j], self.scales[i, j], self.rotation) for j in (0, 1))  # type: ignore[misc]
                 for i in range(cfg.num_hidden_layers)
             ]
         else:

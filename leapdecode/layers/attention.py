@@ -164,6 +164,23 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
 
     Returns [T, H, D]."""
+    if not isinstance(k_cache, torch.Tensor) and k_cache.rotation is not None:
+        # an int8 cache stores K/V rotated by R (kv_quant.py): q.k = (qR).(kR), so attend in that basis
+        rot = k_cache.rotation
+        o = _paged_attention((q.float() @ rot).to(q.dtype), k, v, k_cache, v_cache, meta, scale)
+        return (o.float() @ rot.T).to(q.dtype)
+    return _paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: KVPlane,
+    v_cache: KVPlane,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
