@@ -83,7 +83,7 @@ class EngineConfig:
     kv_cache_blocks: int | None = None
     # share of free memory the KV pool may take when kv_cache_blocks is None (it is also capped at what
     # max_num_seqs full-length sequences need); pages are touched only as blocks are first used
-    kv_cache_memory_fraction: float = 0.15
+    kv_cache_memory_fraction: float = 0.05
     # KV storage: "auto" = the model dtype; "int8" quantizes on write (3.9x smaller than float32; kv_quant.py)
     kv_cache_dtype: str = "auto"
     # host-memory KV tier for preempted sequences (0 = off: preemption recomputes); swap_path backs it by a file
