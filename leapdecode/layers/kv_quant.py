@@ -84,7 +84,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize`, in ``dtype``."""
-    return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
+    return q.to(dtype).mul_(scale.to(dtype).unsqueeze(-1))  # in place: one context-sized buffer, not two
 
 
 def rotation_matrix(dim: int, device: torch.device | str = "cpu", seed: int = 0) -> torch.Tensor:
