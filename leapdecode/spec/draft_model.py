@@ -29,6 +29,27 @@ class _Shadow:
     num_computed_tokens: int = 0
 
 
+class ShadowCacheProposer(Proposer):
+    """A drafter with its own paged KV cache that mirrors each target sequence with a ``_Shadow`` (block table
+    + how many leading positions it holds K/V for). Invariant: after verification the shadow never claims more
+    than the committed prefix; ``release`` returns its blocks. Subclasses set ``shadows`` and ``shadow_bm``."""
+
+    shadows: dict[str, _Shadow]
+    shadow_bm: BlockManager
+
+    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
+        sh = self.shadows.get(seq.request_id)
+        if sh is None:
+            return
+        sh.num_computed_tokens = min(sh.num_computed_tokens, num_prefix_tokens + num_accepted)
+        self.shadow_bm.trim(sh, sh.num_computed_tokens)  # type: ignore[arg-type]
+
+    def release(self, seq: Sequence) -> None:
+        sh = self.shadows.pop(seq.request_id, None)
+        if sh is not None:
+            self.shadow_bm.free(sh)  # type: ignore[arg-type]
+
+
 def check_same_tokenizer(target_tok, draft_tok) -> None:
     if target_tok is None or draft_tok is None:
         return
@@ -43,7 +64,7 @@ def check_same_tokenizer(target_tok, draft_tok) -> None:
         )
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(ShadowCacheProposer):
     name = "draft_model"
 
     def __init__(self, model, tokenizer, target_vocab: int, num_blocks: int, block_size: int,
@@ -52,7 +73,7 @@ class DraftModelProposer(Proposer):
         self.target_vocab = target_vocab
         self.max_model_len = max_model_len
         self.kv = KVCache(model.config, num_blocks, block_size, dtype, device)
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.bm = self.shadow_bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.kv, block_size, device)
         self.shadows: dict[str, _Shadow] = {}
         self.step_cost_fn = None  # set by the speculator after calibration
@@ -118,18 +139,6 @@ class DraftModelProposer(Proposer):
             if rows:
                 props[i].probs = torch.stack(rows)
         return props
-
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
-        sh = self.shadows.get(seq.request_id)
-        if sh is None:
-            return
-        sh.num_computed_tokens = min(sh.num_computed_tokens, num_prefix_tokens + num_accepted)
-        self.bm.trim(sh, sh.num_computed_tokens)  # type: ignore[arg-type]
-
-    def release(self, seq: Sequence) -> None:
-        sh = self.shadows.pop(seq.request_id, None)
-        if sh is not None:
-            self.bm.free(sh)  # type: ignore[arg-type]
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:
         if self.step_cost_fn is None:

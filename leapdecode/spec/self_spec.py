@@ -56,8 +56,8 @@ from leapdecode.layers.rotary import apply_rotary
 from leapdecode.layers.sampler import processed_probs, sample_from
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
-from leapdecode.spec.draft_model import _Shadow
-from leapdecode.spec.proposer import Proposal, Proposer
+from leapdecode.spec.draft_model import ShadowCacheProposer, _Shadow
+from leapdecode.spec.proposer import Proposal
 
 ARTIFACT_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "self_spec"
 WEIGHTS_FILE = "adapter.safetensors"
@@ -250,7 +250,7 @@ class _Plan:
     catchup: torch.Tensor  # [m, H] h_L of committed positions the adapter has not seen (from the target)
 
 
-class SelfSpecProposer(Proposer):
+class SelfSpecProposer(ShadowCacheProposer):
     """Drafts with target layers [0, L) (writing the target's own cache slots beyond the committed length), the
     exit adapter (its own one-layer paged cache) and the target's LM head. See the module docstring."""
 
@@ -274,7 +274,7 @@ class SelfSpecProposer(Proposer):
         # running sequence (adapter positions never exceed the target's)
         one_layer = dataclasses.replace(cfg, num_hidden_layers=1)
         self.adapter_kv = KVCache(one_layer, num_blocks, bs, self.dtype, self.device)
-        self.adapter_bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+        self.adapter_bm = self.shadow_bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         self.adapter_runner = ModelRunner(self.model, self.adapter_kv, bs, self.device)  # for prepare() only
         self.shadows: dict[str, _Shadow] = {}
         # h_L of every target pass, filed by target KV slot, with the (position, token) each row belongs to
@@ -484,19 +484,8 @@ class SelfSpecProposer(Proposer):
                 props[i].probs = torch.stack(rows)
         return props
 
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
-        """Roll the adapter cache back to the committed prefix; accepted drafts keep the adapter K/V written
-        while drafting (their h_L equals the target's), so nothing is recomputed for them."""
-        sh = self.shadows.get(seq.request_id)
-        if sh is None:
-            return
-        sh.num_computed_tokens = min(sh.num_computed_tokens, num_prefix_tokens + num_accepted)
-        self.adapter_bm.trim(sh, sh.num_computed_tokens)  # type: ignore[arg-type]
-
-    def release(self, seq: Sequence) -> None:
-        sh = self.shadows.pop(seq.request_id, None)
-        if sh is not None:
-            self.adapter_bm.free(sh)  # type: ignore[arg-type]
+    # on_verified / release (ShadowCacheProposer) roll the adapter cache back to the committed prefix; accepted
+    # drafts keep the adapter K/V written while drafting (their h_L equals the target's): nothing is recomputed
 
     # ------------------------------------------------------------------------------------------------ cost
     @torch.inference_mode()
