@@ -137,16 +137,25 @@ def test_prefill_groups_are_never_split(monkeypatch):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
 
 
-def test_default_thresholds():
-    """Short contexts keep the plain path; the defaults are the measured ones (see split_kv's docstring)."""
-    seqs = [SeqAttention(0, 1, 300, CONTIG, BLOCK)]
-    meta = build_attention_metadata(seqs, seqs[0].slots()[-1:], 3, torch.device("cpu"))
-    assert meta.groups[0].split is None
-    long = [SeqAttention(0, 1, split_kv.SPLIT_KV_MIN_CONTEXT + 5, list(range(200)), BLOCK)]
+def test_default_thresholds(monkeypatch):
+    """Defaults are the measured ones (see split_kv): one sequence never splits on CPU; a batch only when big."""
+    long = [SeqAttention(0, 1, 3000, list(range(200)), BLOCK)]
     meta = build_attention_metadata(long, long[0].slots()[-1:], 3, torch.device("cpu"))
-    assert (meta.groups[0].split is not None) == (
-        split_kv.SPLIT_KV_MIN_CONTEXT >= 2 * split_kv.SPLIT_KV_CHUNK
-    )
+    assert split_kv.SPLIT_KV_MIN_CONTEXT is None and meta.groups[0].split is None
+    monkeypatch.setattr(split_kv, "SPLIT_KV_MIN_CONTEXT", 2048)
+    meta = build_attention_metadata(long, long[0].slots()[-1:], 3, torch.device("cpu"))
+    assert meta.groups[0].split is not None
+    short = [SeqAttention(0, 1, 700, list(range(200)), BLOCK)]  # below 2 chunks: never split
+    meta = build_attention_metadata(short, short[0].slots()[-1:], 3, torch.device("cpu"))
+    assert meta.groups[0].split is None
+
+    def batch(n: int, ctx: int):
+        seqs = [SeqAttention(i, 1, ctx, list(range(i, n * 400, n)), BLOCK) for i in range(n)]
+        slots = torch.cat([s.slots()[-1:] for s in seqs])
+        return build_attention_metadata(seqs, slots, 3, torch.device("cpu")).groups[0].split
+
+    assert batch(4, 2000) is None
+    assert batch(8, 6144) is not None
 
 
 def test_engine_output_unchanged_when_split(tiny_model_dir, monkeypatch):

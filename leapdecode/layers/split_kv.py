@@ -21,8 +21,9 @@ Two ways to run the chunks, for two different costs of the plain path:
   written and read back through DRAM on every layer (and freshly allocated each time). Gathering one chunk
   at a time keeps the buffers small and cache-resident; the batch already supplies the parallel work.
 
-Where each pays on the 2-core development CPU is measured by ``python -m leapdecode.eval.attention_bench``;
-the thresholds below come from it (numbers beside them).
+Where each pays on the 2-core development CPU was measured (``python -m leapdecode.eval.attention_bench``
+and end to end; numbers beside the thresholds below). Short version: for one sequence it does not pay on this
+CPU and is off by default; for a large padded batch it pays mainly by sidestepping an allocator cost.
 
 :func:`plan_split` runs once per step (from ``build_attention_metadata``); the plan is reused by every layer.
 :func:`split_attention` is the per-layer kernel; :func:`split_kv_attention` is the same algorithm on dense
@@ -41,19 +42,26 @@ from leapdecode.layers.kv_quant import KVPlane, read_kv_slots
 if TYPE_CHECKING:
     from leapdecode.layers.attention import AttentionGroup, SeqAttention
 
-# Thresholds measured on the 2-core development CPU with ``python -m leapdecode.eval.attention_bench``
-# (SmolLM2 shape: 9 query / 3 KV heads x 64, float32; per-layer time, split / plain, best of interleaved runs
-# on a shared machine, so +-10%):
-#   one sequence, 2 threads:  2k 0.95,  4k 0.89,  6k 0.85 (fragmented blocks: 0.96, 0.92, 0.85)
-#   one sequence, 1 thread:   1k 1.4,   2k 1.10,  6k 0.86  -> modest; off below 4k tokens
-#   padded batch, 1 thread: 2 x 8k 0.78, 4 x 4k 0.93, 4 x 8k 0.52, 8 x 2k 0.97, 8 x 6k 0.32, 4 x 2k 1.01
-#                           -> pays from ~16k gathered tokens, ~2-3x beyond 32k
-# One sequence: split from this many context tokens on, into SPLIT_KV_CHUNK-token chunks attended in parallel.
-SPLIT_KV_MIN_CONTEXT = 4096
+# Measured on the 2-core development CPU (SmolLM2 shape: 9 query / 3 KV heads x 64, float32). Per layer call,
+# ``python -m leapdecode.eval.attention_bench`` (split / plain; the machine is shared, so +-10%):
+#   one sequence, 2 threads (quiet machine): 2k 1.12, 6k 0.91; fragmented blocks: 2k 1.07, 6k 0.98
+#   one sequence, 1 thread:                  2k 1.13, 6k 0.90; fragmented blocks: 2k 1.11, 6k 0.95
+#   padded batch, 1 thread: 8 x 2k 1.01, 4 x 4k 0.93, 5 x 6k 0.78, 8 x 6k 0.35-0.40
+# End to end (decode step of the engine, median): one sequence at 6k tokens, 2 threads 57 ms split vs 52 ms
+# plain, 1 thread no difference (85-96 ms both); 5 sequences x 4k, 1 thread: 402 ms split vs 331 ms plain.
+# And the large batched win is the allocator, not the algorithm: the plain path's per-layer gather buffer for
+# 8 x 6k tokens is 37 MB, above glibc's largest mmap threshold (32 MB), so every layer maps fresh pages and
+# faults them in. With MALLOC_MMAP_THRESHOLD_=4000000000 the same case is 23 ms plain vs 21 ms split (0.91).
+# So on this CPU split-KV does not pay for one sequence and is off; for a padded batch it stays on only where
+# the gather buffer passes ~32 MB in float32 for this shape (48k tokens), where it measurably avoids the
+# page-fault cost. On a GPU the parallel mode is the FlashDecoding structure (one call over chunks x heads);
+# try SPLIT_KV_MIN_CONTEXT = 1024 there -- unmeasured here, no GPU was available.
+# One sequence: split from this many context tokens on (None = never), into SPLIT_KV_CHUNK-token chunks.
+SPLIT_KV_MIN_CONTEXT: int | None = None
 SPLIT_KV_CHUNK = 512
-# A padded batch of decoding sequences: split when batch * longest context reaches this many tokens, reading
-# SPLIT_KV_BATCH_CHUNK context tokens of every sequence per step of the loop.
-SPLIT_KV_MIN_BATCH_TOKENS = 16384
+# A padded batch of decoding sequences: split when batch * longest context reaches this many tokens (None =
+# never), reading SPLIT_KV_BATCH_CHUNK context tokens of every sequence per step of the loop.
+SPLIT_KV_MIN_BATCH_TOKENS: int | None = 49152
 SPLIT_KV_BATCH_CHUNK = 1024
 
 _NEG_INF = float("-inf")
@@ -113,8 +121,9 @@ def use_split(g: AttentionGroup) -> bool:
     if not g.fold:
         return False
     if g.batch == 1:
-        return g.kv_len >= SPLIT_KV_MIN_CONTEXT and g.kv_len >= 2 * SPLIT_KV_CHUNK
-    return g.batch * g.kv_len >= SPLIT_KV_MIN_BATCH_TOKENS
+        limit = SPLIT_KV_MIN_CONTEXT
+        return limit is not None and g.kv_len >= max(limit, 2 * SPLIT_KV_CHUNK)
+    return SPLIT_KV_MIN_BATCH_TOKENS is not None and g.batch * g.kv_len >= SPLIT_KV_MIN_BATCH_TOKENS
 
 
 def plan_split(g: AttentionGroup, seqs: list[SeqAttention], block_size: int) -> SplitPlan:
