@@ -219,3 +219,19 @@ def test_perplexity_through_engine(tiny_model_dir):
     assert abs(c.nll - d.nll) < 1e-3
     assert_no_leaks(ref)
     assert_no_leaks(q8)
+
+
+def test_engine_int8_with_speculative_decoding(tiny_model_dir):
+    """Drafts are written into the int8 cache and rolled back on rejection: per-token scales make that free."""
+    from leapdecode import LLM
+
+    llm = LLM(
+        model=str(tiny_model_dir),
+        kv_cache_blocks=128,
+        kv_cache_dtype="int8",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    prompts = ["one two three one two three one two three one two", *PROMPTS[:2]]
+    outs = _greedy(llm, prompts, max_tokens=24)
+    assert all(len(o) == 24 for o in outs)
+    assert_no_leaks(llm)
