@@ -95,12 +95,17 @@ def build_attention_metadata(
     groups: list[AttentionGroup] = []
     for s in large:
         groups.append(_single_group(s, device, fold=False))
-    if len(small) == 1:
-        groups.append(_single_group(small[0], device, fold=True, group_size=group_size))
-    elif small:
-        groups.append(_padded_group(small, device, group_size))
-    if small and split_kv.use_split(groups[-1]):  # few rows over a long context (see split_kv.py)
-        groups[-1].split = split_kv.plan_split(groups[-1], small, small[0].block_size)
+    # plain decode rows and draft/tree verification rows go in separate padded calls: mixed, every decoding
+    # sequence would be padded to the longest draft's query length
+    for part in ([s for s in small if s.q_len == 1], [s for s in small if s.q_len > 1]):
+        if not part:
+            continue
+        if len(part) == 1:
+            groups.append(_single_group(part[0], device, fold=True, group_size=group_size))
+        else:
+            groups.append(_padded_group(part, device, group_size))
+        if split_kv.use_split(groups[-1]):  # few rows over a long context (see split_kv.py)
+            groups[-1].split = split_kv.plan_split(groups[-1], part, part[0].block_size)
     total = sum(s.q_len for s in seqs)
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=total)
 
