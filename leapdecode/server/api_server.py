@@ -400,15 +400,21 @@ def build_app(
         usage chunk, then ``data: [DONE]``. ``chunk(text, finish_reason, first)`` builds one payload."""
         deltas = TextDeltas(stream.params.stop_list)
 
+        def payload(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
+            d = chunk(text, reason, first)
+            if final_usage is None:
+                d.pop("usage", None)  # usage appears in chunks only when stream_options.include_usage asked
+            return d
+
         async def body() -> AsyncIterator[str]:
-            yield _sse(chunk(None, None, True))
+            yield _sse(payload(None, None, True))
             try:
                 async for out in stream:
                     delta = deltas.update(out.text, out.finished)
                     if delta:
-                        yield _sse(chunk(delta, None, False))
+                        yield _sse(payload(delta, None, False))
                     if out.finished:
-                        yield _sse(chunk(None, out.finish_reason or "stop", False))
+                        yield _sse(payload(None, out.finish_reason or "stop", False))
                         if final_usage is not None:
                             yield _sse(final_usage(out))
             except (EngineStepError, EngineDeadError) as e:
@@ -421,6 +427,25 @@ def build_app(
         return _aborting_streaming_response()(
             body(), stream.abort, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
+
+    async def respond(
+        request: Request,
+        stream: RequestStream,
+        streaming: bool,
+        include_usage: bool,
+        chunk: Callable[[str | None, str | None, bool], dict[str, Any]],
+        usage_chunk: Callable[[P.Usage], Any],
+        body: Callable[[StreamOutput], Any],
+    ) -> Any:
+        """The tail both completion routes share: SSE chunks (and a usage-only chunk when asked), or one body
+        once the request finishes. ``usage_chunk`` and ``body`` build pydantic models."""
+        if streaming:
+            final_usage = (lambda out: usage_chunk(usage(out)).model_dump()) if include_usage else None
+            return stream_response(stream, chunk, final_usage)
+        final = await collect(request, stream)
+        if isinstance(final, Response):
+            return final
+        return body(final).model_dump()
 
     # ------------------------------------------------------------------------------------------ routes
     def route(method: str, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -471,46 +496,39 @@ def build_app(
         params = sampling_params(req, len(tokens), "messages")
         stream = await submit(tokens, params, None, "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
-        include_usage = req.include_usage()
 
-        if req.stream:
+        def chunk(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            d = P.ChatCompletionChunk(
+                id=rid,
+                created=ts,
+                model=name,
+                choices=[P.ChatChunkChoice(delta=P.ChatDelta(), finish_reason=reason)],
+            ).model_dump()
+            d["choices"][0]["delta"] = delta
+            return d
 
-            def chunk(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-                if text:
-                    delta["content"] = text
-                d = P.ChatCompletionChunk(
-                    id=rid,
-                    created=ts,
-                    model=name,
-                    choices=[P.ChatChunkChoice(delta=P.ChatDelta(), finish_reason=reason)],
-                ).model_dump()
-                d["choices"][0]["delta"] = delta
-                if not include_usage:
-                    d.pop("usage")
-                return d
-
-            def final_usage(out: StreamOutput) -> dict[str, Any]:
-                return P.ChatCompletionChunk(
-                    id=rid, created=ts, model=name, choices=[], usage=usage(out)
-                ).model_dump()
-
-            return stream_response(stream, chunk, final_usage if include_usage else None)
-
-        final = await collect(request, stream)
-        if isinstance(final, Response):
-            return final
-        return P.ChatCompletionResponse(
-            id=rid,
-            created=ts,
-            model=name,
-            usage=usage(final),
-            choices=[
-                P.ChatChoice(
-                    message=P.ChatResponseMessage(content=final.text), finish_reason=final.finish_reason
-                )
-            ],
-        ).model_dump()
+        return await respond(
+            request,
+            stream,
+            bool(req.stream),
+            req.include_usage(),
+            chunk,
+            lambda u: P.ChatCompletionChunk(id=rid, created=ts, model=name, choices=[], usage=u),
+            lambda final: P.ChatCompletionResponse(
+                id=rid,
+                created=ts,
+                model=name,
+                usage=usage(final),
+                choices=[
+                    P.ChatChoice(
+                        message=P.ChatResponseMessage(content=final.text), finish_reason=final.finish_reason
+                    )
+                ],
+            ),
+        )
 
     @route("POST", "/v1/completions")
     async def completions(request: Request) -> Any:
@@ -532,38 +550,30 @@ def build_app(
         params = sampling_params(req, len(tokens), "prompt")
         stream = await submit(tokens, params, prompt_text, "prompt")
         rid, ts = P.random_id("cmpl"), P.now_s()
-        include_usage = req.include_usage()
 
-        if req.stream:
+        def chunk(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
+            return P.CompletionResponse(
+                id=rid,
+                created=ts,
+                model=name,
+                choices=[P.CompletionChoice(text=text or "", finish_reason=reason)],
+            ).model_dump()
 
-            def chunk(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
-                d = P.CompletionResponse(
-                    id=rid,
-                    created=ts,
-                    model=name,
-                    choices=[P.CompletionChoice(text=text or "", finish_reason=reason)],
-                ).model_dump()
-                if not include_usage:
-                    d.pop("usage")
-                return d
-
-            def final_usage(out: StreamOutput) -> dict[str, Any]:
-                return P.CompletionResponse(
-                    id=rid, created=ts, model=name, choices=[], usage=usage(out)
-                ).model_dump()
-
-            return stream_response(stream, chunk, final_usage if include_usage else None)
-
-        final = await collect(request, stream)
-        if isinstance(final, Response):
-            return final
-        return P.CompletionResponse(
-            id=rid,
-            created=ts,
-            model=name,
-            usage=usage(final),
-            choices=[P.CompletionChoice(text=final.text, finish_reason=final.finish_reason)],
-        ).model_dump()
+        return await respond(
+            request,
+            stream,
+            bool(req.stream),
+            req.include_usage(),
+            chunk,
+            lambda u: P.CompletionResponse(id=rid, created=ts, model=name, choices=[], usage=u),
+            lambda final: P.CompletionResponse(
+                id=rid,
+                created=ts,
+                model=name,
+                usage=usage(final),
+                choices=[P.CompletionChoice(text=final.text, finish_reason=final.finish_reason)],
+            ),
+        )
 
     return app
 
