@@ -22,23 +22,13 @@ from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
 from leapdecode.models.loader import load_model
 from leapdecode.sampling_params import SamplingParams
+from tests.conftest import TINY_DEFAULTS
 
 TOL = 1e-4
 VOCAB = 512  # small vocabulary: parity does not need real text, and the LM head stays cheap
 
-BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# the suite's tiny Llama (conftest), with a small vocabulary and context
+BASE: dict[str, Any] = {**TINY_DEFAULTS, "vocab_size": VOCAB, "max_position_embeddings": 512}
 
 
 def _build_hf(arch: str, seed: int, overrides: dict[str, Any]) -> torch.nn.Module:
