@@ -18,6 +18,9 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    # drafts a lossy acceptance rule (blockwise top-k) kept although the target ranked another token first:
+    # 0 for every lossless method, so a nonzero count is the per-request sign of drift
+    num_lossy_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

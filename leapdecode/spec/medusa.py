@@ -236,6 +236,32 @@ def shipped_heads_for(target) -> Path | None:
     return DEFAULT_HEADS_DIR
 
 
+def check_heads_fit(
+    folder: Path, heads: MedusaHeads, meta: dict[str, Any], engine, kind: str = "Medusa"
+) -> torch.Tensor:
+    """The engine's LM-head weight (the heads' own output layer) once the heads are known to fit its model:
+    a wrong hidden size or vocabulary is an error; heads trained on another model of the same shape (LM-head
+    fingerprint differs) only warn, since they still run, just with low acceptance. Shared by every method
+    whose heads come from ``leapdecode train medusa`` (Medusa trees, blockwise chains)."""
+    mcfg = engine.model_config
+    if heads.hidden_size != mcfg.hidden_size:
+        raise ValueError(
+            f"the {kind} heads in {folder} are for hidden size {heads.hidden_size} "
+            f"({meta.get('base_model', {}).get('name', 'another model')}), this model has {mcfg.hidden_size}; "
+            'pass "model": PATH to heads trained for it (leapdecode train medusa)'
+        )
+    if meta.get("vocab_size", mcfg.vocab_size) != mcfg.vocab_size:
+        raise ValueError(f"the {kind} heads in {folder} are for a {meta['vocab_size']}-token vocabulary, "
+                         f"this model has {mcfg.vocab_size}")
+    weight = engine.model.lm_head.get_weight()
+    fp = meta.get("base_model", {}).get("lm_head_fingerprint")
+    here = lm_head_fingerprint(weight)
+    if fp is not None and not all(abs(a - b) <= 1e-2 * max(1.0, abs(a)) for a, b in zip(fp, here)):
+        warnings.warn(f"the {kind} heads in {folder} were trained on another model "
+                      f"({meta.get('base_model', {}).get('name')}); expect low acceptance", stacklevel=3)
+    return weight
+
+
 def lm_head_fingerprint(weight: torch.Tensor) -> list[float]:
     """A few sums of the LM head, to warn when heads are loaded onto a different model of the same shape."""
     w = weight.detach().float().cpu()
@@ -285,22 +311,7 @@ class MedusaProposer(Proposer):
         ``posterior_threshold`` (eps, default 0.09), ``posterior_alpha`` (delta, default 0.3)."""
         folder = Path(cfg.model) if cfg.model else DEFAULT_HEADS_DIR
         heads, subset, meta = load_heads(folder)
-        mcfg = engine.model_config
-        if heads.hidden_size != mcfg.hidden_size:
-            raise ValueError(
-                f"the Medusa heads in {folder} are for hidden size {heads.hidden_size} "
-                f"({meta.get('base_model', {}).get('name', 'another model')}), this model has {mcfg.hidden_size}; "
-                'pass "model": PATH to heads trained for it (leapdecode train medusa)'
-            )
-        if meta.get("vocab_size", mcfg.vocab_size) != mcfg.vocab_size:
-            raise ValueError(f"the Medusa heads in {folder} are for a {meta['vocab_size']}-token vocabulary, "
-                             f"this model has {mcfg.vocab_size}")
-        weight = engine.model.lm_head.get_weight()
-        fp = meta.get("base_model", {}).get("lm_head_fingerprint")
-        here = lm_head_fingerprint(weight)
-        if fp is not None and not all(abs(a - b) <= 1e-2 * max(1.0, abs(a)) for a, b in zip(fp, here)):
-            warnings.warn(f"the Medusa heads in {folder} were trained on another model "
-                          f"({meta.get('base_model', {}).get('name')}); expect low acceptance", stacklevel=2)
+        weight = check_heads_fit(folder, heads, meta, engine)
         ex = cfg.extra
         tree = meta.get("tree") or {}
         typical = None
@@ -404,6 +415,7 @@ __all__ = [
     "MedusaHeads",
     "MedusaProposer",
     "ONE_PER_OFFSET",
+    "check_heads_fit",
     "PYRAMID",
     "exclusion_fill",
     "load_heads",

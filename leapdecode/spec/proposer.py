@@ -35,6 +35,10 @@ class Proposer(ABC):
     """
 
     name: str = "proposer"
+    #: True: draft exactly what ``tree_budget`` asks every step, never switched off by the engine's step-cost
+    #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
+    #: how fast this machine happened to be when the cost model was calibrated)
+    fixed_budget: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]: ...
@@ -53,6 +57,14 @@ class Proposer(ABC):
         """Called after each step that emitted tokens for ``seq`` (and is not finished) with the target's final
         hidden state at the position whose logits produced the last emitted token. Default: ignored; drafters
         that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
+
+    def verify_chain(
+        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """A drafter with its own acceptance rule verifies its chain here: ``logits`` [len(drafts) + 1, vocab]
+        are the target's (repetition penalty applied) at the drafts' positions; returns (emitted tokens, drafts
+        accepted). Default ``None``: the engine's lossless verification (greedy match / rejection sampling)."""
+        return None
 
     def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float] | None:
         """Tree drafters size their own proposals (a tree's acceptance is not the chain model's per-token rate):

@@ -42,6 +42,10 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         from leapdecode.spec.medusa import MedusaProposer
 
         return MedusaProposer.from_config(cfg, engine)
+    if method == "blockwise":
+        from leapdecode.spec.blockwise import BlockwiseProposer
+
+        return BlockwiseProposer.from_config(cfg, engine)
     if method == "self_spec":
         from leapdecode.spec.self_spec import SelfSpecProposer
 
@@ -49,7 +53,7 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto")
     raise ValueError(
         f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, medusa, "
-        "self_spec, auto"
+        "blockwise, self_spec, auto"
     )
 
 
@@ -143,6 +147,9 @@ class Speculator:
                 k, exp_tokens = tree
                 if k <= 0:
                     continue
+                if prop.fixed_budget:  # the method's own block size, not the cost model's call (Proposer)
+                    best_name, best_k = name, k
+                    break
                 rate = exp_tokens if self.cost is None else \
                     (batch - 1 + exp_tokens) / (self.cost(batch + k) + prop.step_cost(batch, k))
                 if rate > best_rate:
@@ -207,7 +214,11 @@ class Speculator:
         k = len(drafts)
         contexts = [seq.token_ids + drafts[:j] for j in range(k + 1)]
         logits = apply_repetition_penalty(res.logits, contexts, [seq.params.repetition_penalty] * (k + 1))
-        if seq.params.greedy:
+        name = seq.spec_state["method"]
+        own = self.proposers[name].verify_chain(seq, logits, seq.generator or self.engine.generator)
+        if own is not None:  # the drafter's own acceptance rule (blockwise: chain walk, opt-in top-k)
+            tokens, accepted = own
+        elif seq.params.greedy:
             tokens, accepted = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
         else:
             p = processed_probs(logits, [seq.params] * (k + 1))
@@ -215,7 +226,6 @@ class Speculator:
         m = seq.metrics
         m.num_draft_tokens += k
         m.num_accepted_tokens += accepted
-        name = seq.spec_state["method"]
         self.gamma.update(self.state(seq, name), k, accepted)
         self.proposers[name].on_verified(seq, seq.num_tokens, accepted)
         seq.spec_state["hidden_row"] = accepted

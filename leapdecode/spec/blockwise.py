@@ -1,0 +1,249 @@
+"""Blockwise parallel decoding (Stern, Shazeer & Uszkoreit 2018): predict k tokens at once, verify, accept.
+
+**Predict.** k proposal heads, head i predicting the token i places after the one the target emits from the same
+hidden state (offsets 1..k). They are Medusa heads with the one-per-offset layout (``medusa.py``: a residual
+block on the target's final hidden state, read out by the target's own LM head), trained by the Medusa trainer:
+``leapdecode train medusa --layout 1,2,...,k``. Each head proposes its top-1 token, so a step drafts a *chain* of
+k tokens (Medusa with a one-path tree), verified in the engine's plain causal layout. A folder of n heads serves
+every k <= n (the first k heads); the shipped ones (``leapdecode/artifacts/blockwise/``) have n = 8.
+
+**Verify.** One target forward over ``[last token] + drafts`` gives the target's logits at each draft position
+(conditioned on the drafts before it), exactly Stern et al.'s verify substep.
+
+**Accept** (``acceptance``):
+
+- ``"exact"`` (default, lossless): greedy requests keep drafts while each equals the target's argmax, then emit
+  the target's argmax at the first mismatch (or after the last draft) -- token-identical to plain greedy
+  decoding. Sampled requests walk the chain drawing ``x ~ p`` at each position and keep the draft while it
+  equals ``x`` (the one-path case of ``tree.verify_tree_sampling``): every emitted token is one draw from the
+  target's distribution with the request's generator, so a seeded request reproduces plain seeded sampling.
+- ``"topk"`` (lossy, opt-in; Stern et al. §5 "top-k selection"): draft i is kept if it is among the target's
+  ``top_k`` tokens at its position -- fewer than ``top_k`` tokens score strictly higher, so ties favour the
+  draft and the argmax always passes; for sampled requests the ranking is of the request's processed
+  distribution and a token it gives zero probability never passes. With ``min_block = m`` (Stern et al.'s
+  minimum block size, counted here in *proposed* tokens) the first m drafts are kept without the test, so a
+  step emits at least m + 1 tokens. Acceptance stops at the first draft that fails; the next token is the
+  target's argmax (greedy) or a draw from its distribution (sampled) after the last kept draft. Because the
+  argmax is always in the top k, top-k mode keeps every draft exact mode keeps, given the same logits. The
+  kept drafts' K/V were written by the verification forward, so the engine just commits them.
+  ``RequestMetrics.num_lossy_tokens`` counts the kept drafts that were *not* the target's top choice: how far
+  a lossy run strayed, per request.
+
+Unlike the other drafters, blockwise drafts its full block every step (``Proposer.fixed_budget``): the block
+size k is the method, and a lossy run's output must not depend on the machine's timing through the cost model.
+
+Config: ``speculative_config={"method": "blockwise", "num_speculative_tokens": k, "acceptance": "exact" | "topk",
+"top_k": int, "min_block": int, "model": HEADS_DIR}``; ``k`` defaults to every head in the folder, ``model`` to
+the shipped heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from leapdecode.engine.sequence import Sequence
+from leapdecode.layers.sampler import processed_probs, sample_from
+from leapdecode.spec.medusa import MedusaHeads, check_heads_fit, load_heads
+from leapdecode.spec.proposer import Proposal, Proposer
+from leapdecode.spec.tree import verify_tree_sampling
+
+DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "blockwise"
+ACCEPTANCE = ("exact", "topk")
+DEFAULT_TOP_K = 2
+
+
+@dataclass(frozen=True)
+class BlockwiseSettings:
+    """The checked knobs of one blockwise configuration (see the module docstring)."""
+
+    k: int
+    acceptance: str = "exact"
+    top_k: int = DEFAULT_TOP_K
+    min_block: int = 0
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance == "topk"
+
+    @classmethod
+    def from_config(cls, cfg, num_heads: int) -> BlockwiseSettings:
+        """From a ``SpeculativeConfig`` whose heads folder holds ``num_heads`` heads; every mistake is a
+        ValueError that says what to change. ``top_k`` / ``min_block`` without ``acceptance="topk"`` are
+        refused rather than ignored: exact mode is lossless and has nothing for them to change."""
+        ex = cfg.extra
+        k = cfg.num_speculative_tokens if cfg.num_speculative_tokens is not None else num_heads
+        if not isinstance(k, int) or not 1 <= k <= num_heads:
+            raise ValueError(
+                f"blockwise num_speculative_tokens must be an integer in [1, {num_heads}] (the heads folder has "
+                f"{num_heads} heads, one per offset 1..{num_heads}), got {k!r}; train more heads with "
+                "`leapdecode train medusa --layout 1,2,...,k`"
+            )
+        acceptance = ex.get("acceptance", "exact")
+        if acceptance not in ACCEPTANCE:
+            raise ValueError(f"blockwise acceptance must be one of {ACCEPTANCE}, got {acceptance!r}")
+        if acceptance == "exact":
+            extra = sorted(set(ex) & {"top_k", "min_block"})
+            if extra:
+                raise ValueError(f"{', '.join(extra)} only apply to acceptance='topk' (lossy, opt-in); exact "
+                                 "acceptance is lossless and takes neither")
+            return cls(k)
+        top_k = ex.get("top_k", DEFAULT_TOP_K)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"blockwise top_k must be an integer >= 1, got {top_k!r}")
+        min_block = ex.get("min_block", 0)
+        if isinstance(min_block, bool) or not isinstance(min_block, int) or not 0 <= min_block <= k:
+            raise ValueError(f"blockwise min_block must be an integer in [0, k={k}] (proposed tokens kept without "
+                             f"the top-k test), got {min_block!r}")
+        return cls(k, acceptance, top_k, min_block)
+
+
+def topk_accepted(
+    scores: torch.Tensor, drafts: list[int], top_k: int, min_block: int = 0, probs: bool = False
+) -> tuple[int, int]:
+    """(drafts kept, how many of them were not the top choice) under top-k acceptance.
+
+    ``scores`` [>= len(drafts), V]: row i scores draft i's position -- logits, or with ``probs`` a sampled
+    request's processed distribution, where a zero-probability token never passes (plain sampling could not
+    produce it). Draft i passes if fewer than ``top_k`` tokens score strictly higher than it; the first
+    ``min_block`` drafts pass regardless; acceptance stops at the first failure."""
+    n = len(drafts)
+    if n == 0:
+        return 0, 0
+    d = torch.tensor(drafts, dtype=torch.long, device=scores.device)
+    rows = scores[:n].float()
+    own = rows.gather(1, d.unsqueeze(1))
+    higher = (rows > own).sum(dim=1)  # the draft's rank (0 = argmax, ties favour the draft)
+    ok = higher < top_k
+    if probs:
+        ok &= own.squeeze(1) > 0
+    ok[: min(min_block, n)] = True
+    accepted = n if bool(ok.all()) else int((~ok).nonzero()[0, 0])
+    return accepted, int((higher[:accepted] > 0).sum())
+
+
+def verify_block_topk(
+    logits: torch.Tensor,
+    drafts: list[int],
+    params,
+    generator: torch.Generator | None,
+    top_k: int,
+    min_block: int = 0,
+) -> tuple[list[int], int, int]:
+    """Top-k acceptance of a chain: (emitted tokens, drafts kept, kept drafts that were not the top choice).
+    Greedy requests rank logits and emit the argmax after the last kept draft; sampled requests rank their
+    processed distribution and draw the next token from it."""
+    if params.greedy:
+        accepted, lossy = topk_accepted(logits, drafts, top_k, min_block)
+        nxt = int(logits[accepted].argmax())
+    else:
+        p = processed_probs(logits, [params] * logits.shape[0])
+        accepted, lossy = topk_accepted(p, drafts, top_k, min_block, probs=True)
+        nxt = sample_from(p[accepted], generator)
+    return list(drafts[:accepted]) + [nxt], accepted, lossy
+
+
+class BlockwiseProposer(Proposer):
+    """Chains of the heads' top-1 tokens; stateless apart from each sequence's last observed hidden state."""
+
+    name = "blockwise"
+    fixed_budget = True
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        lm_weight: torch.Tensor,
+        vocab_subset: torch.Tensor | None,
+        settings: BlockwiseSettings,
+    ) -> None:
+        if any(o != i + 1 for i, o in enumerate(heads.offsets)):
+            raise ValueError(
+                f"blockwise decoding needs one head per offset 1..n, these heads have offsets {heads.offsets}; "
+                "train them with `leapdecode train medusa --layout 1,2,...,k`"
+            )
+        if settings.k > heads.num_heads:
+            raise ValueError(f"k={settings.k} needs {settings.k} heads, the folder has {heads.num_heads}")
+        dev, dt = lm_weight.device, lm_weight.dtype
+        self.heads = heads.to(device=dev, dtype=dt)
+        self.settings = settings
+        self.subset = None if vocab_subset is None else vocab_subset.to(dev)
+        # the heads' read-out: the target's own LM head, restricted to the vocabulary subset they were trained on
+        self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
+
+    @classmethod
+    def from_config(cls, cfg, engine) -> BlockwiseProposer:
+        folder = Path(cfg.model) if cfg.model else DEFAULT_HEADS_DIR
+        heads, subset, meta = load_heads(folder)
+        weight = check_heads_fit(folder, heads, meta, engine, kind="blockwise")
+        return cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
+
+    # ---------------------------------------------------------------------------------------------- hooks
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Keep the hidden state behind the last emitted token, tagged with the length it is valid for (a
+        preempted or rewound sequence must not draft from a stale state)."""
+        if seq.params.speculative:
+            seq.spec_state["blockwise_hidden"] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
+
+    def release(self, seq: Sequence) -> None:
+        seq.spec_state.pop("blockwise_hidden", None)
+
+    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
+        """Always the full block (``fixed_budget``), trimmed to ``room``; the expected-tokens figure is the
+        upper bound k + 1 (the engine does not weigh it for fixed-budget drafters)."""
+        n = max(0, min(self.settings.k, room))
+        return n, float(n + 1)
+
+    # ---------------------------------------------------------------------------------------------- predict
+    @torch.inference_mode()
+    def block(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, d] hidden states -> [B, k] the first k heads' top-1 tokens (offsets 1..k)."""
+        z = self.heads(h.to(self.lm_weight.dtype), heads=range(k))  # [B, k, d]
+        top = F.linear(z, self.lm_weight).argmax(dim=-1)
+        return top if self.subset is None else self.subset[top]
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in seqs]
+        rows, hs = [], []
+        for i, (seq, k) in enumerate(zip(seqs, budgets)):
+            st = seq.spec_state.get("blockwise_hidden")
+            if k > 0 and st is not None and st[0] == seq.num_tokens:
+                rows.append(i)
+                hs.append(st[1])
+        if not rows:
+            return props
+        width = max(budgets[i] for i in rows)
+        toks = self.block(torch.stack(hs), width).tolist()
+        for i, t in zip(rows, toks):
+            props[i] = Proposal(t[: budgets[i]])
+        return props
+
+    # ----------------------------------------------------------------------------------------------- accept
+    def verify_chain(
+        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """Exact greedy: ``None`` (the engine's greedy match). Exact sampled: the chain walk (module docstring).
+        Top-k: :func:`verify_block_topk`, counting its non-top-choice tokens in the request's metrics."""
+        drafts = seq.draft_token_ids
+        s = self.settings
+        if s.lossy:
+            tokens, accepted, lossy = verify_block_topk(logits, drafts, seq.params, generator, s.top_k, s.min_block)
+            seq.metrics.num_lossy_tokens += lossy
+            return tokens, accepted
+        if seq.params.greedy:
+            return None
+        p = processed_probs(logits, [seq.params] * logits.shape[0])
+        tokens, path = verify_tree_sampling(p, drafts, list(range(-1, len(drafts) - 1)), generator)
+        return tokens, len(path)
+
+
+__all__ = [
+    "ACCEPTANCE",
+    "DEFAULT_HEADS_DIR",
+    "BlockwiseProposer",
+    "BlockwiseSettings",
+    "topk_accepted",
+    "verify_block_topk",
+]
