@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -48,7 +49,12 @@ class Row:
     speedup: float | None = None
     identical: str = ""
     gb_per_s: float | None = None
+    # drift, filled when some method's output differs from plain greedy (a lossy method such as blockwise top-k):
+    agreement: float | None = None  # mean share of the greedy completion reproduced before the first divergence
+    top1_share: float | None = None  # share of emitted tokens that were the target's top choice in their context
+    ppl: float | None = None  # the target's perplexity of the produced completions (given their prompts)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    num_lossy_tokens: int = 0
 
 
 def machine_info() -> str:
@@ -112,7 +118,8 @@ def run_leapdecode(llm, prompts_ids: list[list[int]], params, label: str, batche
     steps = sum(o.metrics.num_target_steps for o in outs)
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     row = Row("leapdecode", label, 1, len(outs), ntok, _median(tps), _median(ttft), _median(tpot),
-              ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs])
+              ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
+              num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
     brow = None
     if batched and len(prompts_ids) > 1:
         t0 = time.perf_counter()
@@ -124,7 +131,8 @@ def run_leapdecode(llm, prompts_ids: list[list[int]], params, label: str, batche
                    _median([o.metrics.ttft_s * 1e3 for o in bouts]),
                    _median([(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1)
                             for o in bouts]),
-                   btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts])
+                   btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts],
+                   num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in bouts))
     del eng
     return row, brow
 
@@ -212,16 +220,40 @@ def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
     return "\n".join(lines)
 
 
-def format_table(rows: list[Row]) -> str:
-    head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
-            "| weight GB/s |")
-    lines = [head, "|" + "---|" * 10]
+def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
+    """Fill the drift columns of every leapdecode row against plain greedy decoding at the same batch size:
+    identical-prefix agreement, the share of top-choice tokens (1 - lossy tokens / output tokens) and the
+    target's perplexity of the produced text (``eval.perplexity.completion_nll``)."""
+    from leapdecode.eval.kv_agreement import identical_prefix
+    from leapdecode.eval.perplexity import completion_nll
+
+    ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}
     for r in rows:
-        lines.append(
+        base = ref.get(r.batch)
+        if r.system != "leapdecode" or base is None:
+            continue
+        fracs = [identical_prefix(a, b) / max(1, len(b)) for a, b in zip(r.token_ids, base.token_ids)]
+        r.agreement = sum(fracs) / max(1, len(fracs))
+        r.top1_share = 1.0 - r.num_lossy_tokens / max(1, r.output_tokens)
+        nll = [completion_nll(engine, p, o) for p, o in zip(prompts_ids, r.token_ids)]
+        r.ppl = math.exp(sum(a for a, _ in nll) / max(1, sum(n for _, n in nll)))
+
+
+def format_table(rows: list[Row]) -> str:
+    drift = any(r.ppl is not None for r in rows)
+    head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
+            "| weight GB/s |" + (" greedy agreement | top-1 share | ppl |" if drift else ""))
+    lines = [head, "|" + "---|" * (13 if drift else 10)]
+    for r in rows:
+        line = (
             f"| {r.system} | {r.method} | {r.batch} | {r.tok_per_s:.1f} | {r.ttft_ms:.0f} | {r.tpot_ms:.1f} | "
             f"{r.mean_accepted:.2f} | {'' if r.speedup is None else f'{r.speedup:.2f}x'} | {r.identical} | "
             f"{'' if r.gb_per_s is None else f'{r.gb_per_s:.1f}'} |"
         )
+        if drift:
+            line += "".join(f" {'' if v is None else f'{v:{fmt}}'} |" for v, fmt in
+                            ((r.agreement, ".3f"), (r.top1_share, ".3f"), (r.ppl, ".3f")))
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -229,12 +261,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from leapdecode import LLM, SamplingParams
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    overrides = json.loads(args.method_config) if args.method_config else {}
     for m in methods:
-        if m not in METHOD_DEFAULTS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHOD_DEFAULTS)}")
+        # a label of one's own names a configuration given in full by --method-config (e.g. several blockwise k)
+        if m not in METHOD_DEFAULTS and "method" not in overrides.get(m, {}):
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHOD_DEFAULTS)}, or give the label "
+                             'a full configuration in --method-config, e.g. \'{"bw4": {"method": "blockwise", '
+                             '"num_speculative_tokens": 4}}\'')
     if "none" not in methods:
         methods.insert(0, "none")
-    overrides = json.loads(args.method_config) if args.method_config else {}
     compare = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
     for c in compare:
         if c not in ("hf", "llama.cpp"):
@@ -269,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\n".join(header), flush=True)
     rows: list[Row] = []
     for m in methods:
-        cfg = METHOD_DEFAULTS[m]
+        cfg = METHOD_DEFAULTS.get(m, {})
         if cfg is not None:
             cfg = {**cfg, **overrides.get(m, {})}
         llm = base if cfg is None else LLM.from_engine_of(base, speculative_config=cfg)
@@ -299,6 +334,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 r.identical = f"{same}/{len(r.token_ids)}"
         if r.batch == 1 and r.system == "leapdecode":
             r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
+    if args.drift or any(r.num_lossy_tokens for r in rows):  # every lossy run reports its drift
+        add_drift(rows, eng, prompts_ids)
     table = format_table(rows)
     if args.prefix_reuse:
         table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
@@ -310,6 +347,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
         "time per target step.",
     ]
+    if any(r.ppl is not None for r in rows):
+        notes.append("Drift (lossy methods): greedy agreement = mean share of plain greedy's completion reproduced "
+                     "before the first differing token; top-1 share = share of emitted tokens that were the target's "
+                     "top choice given the text before them; ppl = the target's perplexity of the produced "
+                     "completions given their prompts (the `none` row is the reference).")
     print(table)
     print("\n".join(notes))
     if args.out:
@@ -343,9 +385,15 @@ def add_cli(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
-    p.add_argument("--methods", default="none", help=f"comma list of: {', '.join(METHOD_DEFAULTS)}")
+    p.add_argument("--methods", default="none",
+                   help=f"comma list of: {', '.join(METHOD_DEFAULTS)}, or labels configured by --method-config")
     p.add_argument("--method-config", default=None,
-                   help='JSON of per-method overrides, e.g. \'{"draft_model": {"model": "path"}}\'')
+                   help='JSON of per-method overrides, e.g. \'{"draft_model": {"model": "path"}}\'; a label that '
+                   'is not a method needs a "method" key, e.g. \'{"bw4topk": {"method": "blockwise", '
+                   '"num_speculative_tokens": 4, "acceptance": "topk", "top_k": 2}}\'')
+    p.add_argument("--drift", action="store_true",
+                   help="report drift from plain greedy (agreement, top-1 share, perplexity) for every row; "
+                   "automatic when a row used a lossy acceptance rule")
     p.add_argument("--compare", default=None, help="comma list: hf (HF transformers generate), llama.cpp")
     p.add_argument("--no-batched", action="store_true", help="skip the all-prompts-at-once batched rows")
     p.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of chat-templated")

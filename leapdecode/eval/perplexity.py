@@ -85,6 +85,28 @@ def window_nll(engine, tokens: list[int], step: int | None = None) -> tuple[floa
         bm.free(scratch)  # type: ignore[arg-type]
 
 
+@torch.inference_mode()
+def completion_nll(engine, prompt: list[int], output: list[int]) -> tuple[float, int]:
+    """Summed NLL (nats) of ``output`` given ``prompt`` and the output before each token, and how many tokens
+    were scored: the target's own judgement of text a (possibly lossy) decoding method produced. One prefill
+    through the engine's runner on borrowed blocks."""
+    if not output:
+        return 0.0, 0
+    tokens = list(prompt) + list(output)
+    bm = engine.block_manager
+    scratch = _Scratch()
+    if not bm.can_allocate(scratch, len(tokens)):  # type: ignore[arg-type]
+        raise ValueError(f"scoring {len(tokens)} tokens needs {bm.blocks_needed(len(tokens))} free KV blocks")
+    bm.allocate(scratch, len(tokens))  # type: ignore[arg-type]
+    try:
+        rows = list(range(len(prompt) - 1, len(tokens) - 1))
+        (res,) = engine.runner.execute([ForwardItem(scratch.block_table, 0, tokens, rows)])
+        targets = torch.tensor(output, device=res.logits.device)
+        return F.cross_entropy(res.logits.float(), targets, reduction="sum").item(), len(output)
+    finally:
+        bm.free(scratch)  # type: ignore[arg-type]
+
+
 def perplexity(engine, tokens: list[int], window: int = 512, step: int | None = None) -> PerplexityResult:
     """Perplexity of ``tokens`` in non-overlapping windows (see the module docstring)."""
     if window < 2:
