@@ -186,10 +186,12 @@ def _paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    write_kv(k_cache, meta.slot_mapping, k)
-    write_kv(v_cache, meta.slot_mapping, v)
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     group = heads // hkv
+    if q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and meta.groups[0].split is None:
+        return _decode_one(q, k, v, k_cache, v_cache, meta, scale)
+    write_kv(k_cache, meta.slot_mapping, k)
+    write_kv(v_cache, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].q_start == 0 and meta.groups[0].q_len == q.shape[0]:
         out = None  # the single group covers the whole batch: write straight into its result
     else:
@@ -234,3 +236,30 @@ def _paged_attention(
             flat = o.reshape(g.batch * g.q_len, heads, d)
             out[g.q_rows[g.q_valid]] = flat[g.q_valid]
     return out
+
+
+def _decode_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The batch-1 decode step (one new token, float cache), the case that sets single-stream latency: the same
+    computation as the general loop with a third of its tensor calls, since at this size each call costs more than
+    its arithmetic. q: [1, H, D] -> [1, H, D]."""
+    g = meta.groups[0]
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if g.kv_start is not None:
+        kg, vg = k_cache[g.kv_start : g.kv_start + g.kv_len], v_cache[g.kv_start : g.kv_start + g.kv_len]
+    else:
+        kg, vg = k_cache.index_select(0, g.kv_slots), v_cache.index_select(0, g.kv_slots)
+    # one token: its H query heads, grouped by the KV head they share, are the G query rows of each KV head
+    o = F.scaled_dot_product_attention(
+        q.view(1, hkv, -1, d), kg.transpose(0, 1).unsqueeze(0), vg.transpose(0, 1).unsqueeze(0), scale=scale
+    )
+    return o.view(1, -1, d)

@@ -33,7 +33,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (the "rotate half" convention of HF Llama)."""
+    """Precomputed cos/sin tables indexed by absolute position (the "rotate half" convention of HF Llama).
+
+    ``rotate_half(x) = cat(-x2, x1)`` equals ``roll(x, d/2) * [-1.., +1..]``, so the table stores sin with that
+    sign folded in: rotating is then ``x * cos + roll(x) * sin_signed``, three ops instead of seven, which matters
+    because a batch-1 decode step on a CPU is dominated by per-op overhead once the weights are read.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -41,23 +46,24 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
+        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).double()
         self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        self.register_buffer("sin_signed", (emb.sin() * sign).float(), persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for ``positions``, shaped [T, 1, d] to broadcast over heads; computed once per forward
-        and shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """(cos, sign-folded sin) rows for ``positions``, shaped [T, 1, d] to broadcast over heads; computed once
+        per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Apply RoPE to x [..., T, heads, d] (any number of heads: q and k may be rotated together)."""
+    cos, sin_signed = cos_sin
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, d], k: [T, kv_heads, d]."""
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+    return rotate(q, cos_sin), rotate(k, cos_sin)

@@ -17,7 +17,7 @@ from leapdecode.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from leapdecode.layers.rotary import RotaryEmbedding, apply_rotary
+from leapdecode.layers.rotary import RotaryEmbedding, rotate
 from leapdecode.models.config import ModelConfig
 from leapdecode.parallel import divide, tp_size
 
@@ -56,13 +56,12 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        t, nq, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the fused projection: rotate them as one [T, heads + kv_heads, d] tensor
+        qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, d), rope)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
+        o = paged_attention(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
