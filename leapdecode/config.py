@@ -96,6 +96,9 @@ class EngineConfig:
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None
     num_threads: int | None = None
+    # few-row projections (decode, verification, small batches): "auto" = the packed kernel of
+    # layers/small_gemm.py on CPU float32 when it builds, "packed" = require it, "torch" = F.linear only
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -129,6 +132,12 @@ class EngineConfig:
             isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
             f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
         )
+        _check(
+            self.linear_kernel in ("auto", "packed", "torch"),
+            f'linear_kernel must be "auto", "packed" or "torch", got {self.linear_kernel!r}',
+        )
+        if self.linear_kernel == "packed":
+            _check(dev.type == "cpu" and self.dtype == "float32", 'linear_kernel="packed" is for CPU float32 models')
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -32,6 +32,7 @@ class LLMEngine:
         else:
             self.model_path = model_path
         self.model = model
+        self.num_packed_linears = self.pack_linears(model)
         self.model_config = mcfg = model.config
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -68,6 +69,16 @@ class LLMEngine:
             from leapdecode.spec.speculator import Speculator
 
             self.speculator = Speculator(self, config.speculative_config)
+
+    def pack_linears(self, model) -> int:
+        """Give ``model`` (the target, or a draft model sharing this engine's settings) the few-row linear
+        kernel where the configuration allows it (layers/small_gemm.py); returns how many layers use it."""
+        cfg = self.config
+        if cfg.linear_kernel == "torch" or self.device.type != "cpu" or cfg.torch_dtype != torch.float32:
+            return 0
+        from leapdecode.layers import small_gemm
+
+        return small_gemm.enable(model, required=cfg.linear_kernel == "packed")
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(

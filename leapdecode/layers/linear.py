@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapdecode.layers import small_gemm
 from leapdecode.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
 
@@ -40,9 +41,10 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(self.out_parts)), requires_grad=False)
             self.bias.shard_dim, self.bias.shard_parts = 0, list(out_parts)
+        self.packed: torch.Tensor | None = None  # few-row kernel layout (small_gemm.py), set by the engine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return small_gemm.linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -56,9 +58,10 @@ class RowParallelLinear(nn.Module):
         self.weight.shard_dim, self.weight.shard_parts = 1, None
         # decided once: a decode step calls this 60 times, and asking torch.distributed each time is not free
         self.reduce = tp_size() > 1
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = small_gemm.linear(x, self.weight, None, self.packed)
         return all_reduce(y) if self.reduce else y
 
 
@@ -92,9 +95,10 @@ class ParallelLMHead(nn.Module):
             shard = divide(vocab_size, tp_size(), "vocab_size") if tp_size() > 1 else vocab_size
             self.weight = nn.Parameter(torch.empty(shard, dim), requires_grad=False)
             self.weight.shard_dim, self.weight.shard_parts = 0, None
+        self.packed: torch.Tensor | None = None
 
     def get_weight(self) -> torch.Tensor:
         return self.tied_to.weight if self.tied_to is not None else self.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(h, self.get_weight()))
+        return all_gather_last_dim(small_gemm.linear(h, self.get_weight(), None, self.packed))

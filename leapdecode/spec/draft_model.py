@@ -84,6 +84,7 @@ class DraftModelProposer(ShadowCacheProposer):
 
         p = resolve_model(path)
         model, _ = load_model(p, engine.config.torch_dtype, engine.device)
+        engine.pack_linears(model)
         check_same_tokenizer(engine.tokenizer, load_tokenizer(p) if engine.tokenizer is not None else None)
         return cls(model, None, engine.model_config.vocab_size, engine.block_manager.num_blocks,
                    engine.config.block_size, engine.device, engine.config.torch_dtype, engine.max_model_len)

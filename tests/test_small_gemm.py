@@ -1,0 +1,77 @@
+"""The packed few-row linear kernel (layers/small_gemm.py): same numbers as torch, row results independent of
+the number of rows, and the engine's choice between it and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.layers import small_gemm
+
+ext = small_gemm.load_kernel()
+needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(48, 64), (960, 576), (16, 2)])
+def test_kernel_matches_torch_linear_for_every_row_count(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    packed = small_gemm.pack(w)
+    assert packed.shape == (n // 16, k, 16)
+    for m in (1, 2, 3, 7, 8, 9, 16, 17, 33, 64):
+        x = torch.randn(m, k, generator=g)
+        # float32 sums of k products in another order: agree to ~1e-6 of their sqrt(k) scale
+        torch.testing.assert_close(ext.small_linear(x, packed), F.linear(x, w), rtol=1e-5, atol=5e-6 * k**0.5)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 576, generator=g), torch.randn(64, 576, generator=g)
+    packed = small_gemm.pack(w)
+    alone = torch.cat([ext.small_linear(x[i : i + 1].contiguous(), packed) for i in range(64)])
+    for m in (2, 5, 8, 13, 40, 64):
+        assert torch.equal(ext.small_linear(x[:m].contiguous(), packed), alone[:m])
+
+
+@needs_kernel
+def test_dispatch_uses_torch_for_large_calls_autograd_and_unpacked_layers() -> None:
+    w, b = torch.randn(32, 8), torch.randn(32)
+    packed = small_gemm.pack(w)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(small_gemm.linear(x, w, b, packed), F.linear(x, w, b))
+    big = torch.randn(small_gemm.MAX_ROWS + 1, 8)
+    assert torch.equal(small_gemm.linear(big, w, None, packed), F.linear(big, w))
+    xg = x.clone().requires_grad_()
+    y = small_gemm.linear(xg, w, None, packed)
+    y.sum().backward()  # the kernel has no backward: training goes through torch
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(3, 8))
+    assert torch.equal(small_gemm.linear(x, w, None, None), F.linear(x, w))
+    with pytest.raises(RuntimeError, match="1..64 rows"):
+        ext.small_linear(big.repeat(2, 1)[:65].contiguous(), packed)
+
+
+@needs_kernel
+def test_engine_packs_by_default_and_matches_torch_kernel(tiny_model_dir) -> None:
+    prompts = ["the cat sat on", "one two three four five", "red green"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    packed = LLM(model=str(tiny_model_dir), kv_cache_blocks=64)
+    plain = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, linear_kernel="torch")
+    assert packed.engine.num_packed_linears > 0 and plain.engine.num_packed_linears == 0
+    a = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert a == b
+    # speculative verification through the kernel stays token-identical to plain decoding
+    spec = LLM.from_engine_of(packed, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                          "use_cost_model": False})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == a
+
+
+def test_linear_kernel_setting_is_checked(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="linear_kernel"):
+        LLM(model=str(tiny_model_dir), linear_kernel="fast")
+    with pytest.raises(ValueError, match="CPU float32"):
+        LLM(model=str(tiny_model_dir), linear_kernel="packed", dtype="bfloat16")
