@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import processed_probs, sample_from
-from leapdecode.spec.medusa import MedusaHeads, check_heads_fit, load_heads
-from leapdecode.spec.proposer import Proposal, Proposer
+from leapdecode.spec.medusa import HeadsProposer, MedusaHeads, check_heads_fit, load_heads
+from leapdecode.spec.proposer import Proposal
 from leapdecode.spec.tree import verify_tree_sampling
 
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "blockwise"
@@ -146,7 +146,7 @@ def verify_block_topk(
     return list(drafts[:accepted]) + [nxt], accepted, lossy
 
 
-class BlockwiseProposer(Proposer):
+class BlockwiseProposer(HeadsProposer):
     """Chains of the heads' top-1 tokens; stateless apart from each sequence's last observed hidden state."""
 
     name = "blockwise"
@@ -166,12 +166,8 @@ class BlockwiseProposer(Proposer):
             )
         if settings.k > heads.num_heads:
             raise ValueError(f"k={settings.k} needs {settings.k} heads, the folder has {heads.num_heads}")
-        dev, dt = lm_weight.device, lm_weight.dtype
-        self.heads = heads.to(device=dev, dtype=dt)
+        super().__init__(heads, lm_weight, vocab_subset)
         self.settings = settings
-        self.subset = None if vocab_subset is None else vocab_subset.to(dev)
-        # the heads' read-out: the target's own LM head, restricted to the vocabulary subset they were trained on
-        self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
 
     @classmethod
     def from_config(cls, cfg, engine) -> BlockwiseProposer:
@@ -180,16 +176,7 @@ class BlockwiseProposer(Proposer):
         weight = check_heads_fit(folder, heads, meta, engine, kind="blockwise")
         return cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
 
-    # ---------------------------------------------------------------------------------------------- hooks
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Keep the hidden state behind the last emitted token, tagged with the length it is valid for (a
-        preempted or rewound sequence must not draft from a stale state)."""
-        if seq.params.speculative:
-            seq.spec_state["blockwise_hidden"] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
-
-    def release(self, seq: Sequence) -> None:
-        seq.spec_state.pop("blockwise_hidden", None)
-
+    # ---------------------------------------------------------------------------------------------- sizing
     def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
         """Always the full block (``fixed_budget``), trimmed to ``room``; the expected-tokens figure is the
         upper bound k + 1 (the engine does not weigh it for fixed-budget drafters)."""
@@ -206,16 +193,11 @@ class BlockwiseProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
-        rows, hs = [], []
-        for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            st = seq.spec_state.get("blockwise_hidden")
-            if k > 0 and st is not None and st[0] == seq.num_tokens:
-                rows.append(i)
-                hs.append(st[1])
-        if not rows:
+        rows, hidden = self.fresh_hidden(seqs, budgets)
+        if hidden is None:
             return props
         width = max(budgets[i] for i in rows)
-        toks = self.block(torch.stack(hs), width).tolist()
+        toks = self.block(hidden, width).tolist()
         for i, t in zip(rows, toks):
             props[i] = Proposal(t[: budgets[i]])
         return props

@@ -269,7 +269,41 @@ def lm_head_fingerprint(weight: torch.Tensor) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------------ proposer
-class MedusaProposer(Proposer):
+class HeadsProposer(Proposer):
+    """A drafter that reads the target's last hidden state through trained heads and the target's own LM head
+    (Medusa trees, blockwise chains). Invariant: ``seq.spec_state[self.hidden_key]`` holds ``(n, h)``, the hidden
+    state that predicted the last emitted token of ``seq`` when it had ``n`` tokens; a proposal is made only from
+    a state whose ``n`` is the sequence's current length (a preempted or rewound sequence must not draft from a
+    stale one)."""
+
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, vocab_subset: torch.Tensor | None) -> None:
+        dev, dt = lm_weight.device, lm_weight.dtype
+        self.heads = heads.to(device=dev, dtype=dt)
+        self.subset = None if vocab_subset is None else vocab_subset.to(dev)
+        # the heads' read-out: the target's own LM head, restricted to the vocabulary subset they were trained on
+        self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
+        self.hidden_key = f"{self.name}_hidden"
+
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        if seq.params.speculative:
+            seq.spec_state[self.hidden_key] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
+
+    def release(self, seq: Sequence) -> None:
+        seq.spec_state.pop(self.hidden_key, None)
+
+    def fresh_hidden(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Indices of the sequences that may draft this step (budget > 0 and a current hidden state) and their
+        hidden states stacked [len(rows), d] (None when there are none)."""
+        rows, hs = [], []
+        for i, (seq, k) in enumerate(zip(seqs, budgets)):
+            st = seq.spec_state.get(self.hidden_key)
+            if k > 0 and st is not None and st[0] == seq.num_tokens:
+                rows.append(i)
+                hs.append(st[1])
+        return rows, (torch.stack(hs) if hs else None)
+
+
+class MedusaProposer(HeadsProposer):
     """Tree proposals from the heads. Stateless apart from each sequence's last observed hidden state."""
 
     name = "medusa"
@@ -286,12 +320,7 @@ class MedusaProposer(Proposer):
         topk: int = DEFAULT_TOPK,
         typical: tuple[float, float] | None = None,
     ) -> None:
-        self.heads = heads
-        dev, dt = lm_weight.device, lm_weight.dtype
-        self.heads.to(device=dev, dtype=dt)
-        self.subset = None if vocab_subset is None else vocab_subset.to(dev)
-        # the heads' own LM head: the target's tied embedding, restricted to the training subset
-        self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
+        super().__init__(heads, lm_weight, vocab_subset)
         if paths is None:
             paths = T.default_paths([min(topk, 4)] * min(heads.max_offset, 3))
         self.paths: list[tuple[int, ...]] = [tuple(p) for p in paths if len(p) <= heads.max_offset]
@@ -323,16 +352,7 @@ class MedusaProposer(Proposer):
         return cls(heads, weight, subset, tree.get("paths"), tree.get("curve"), tree_nodes=nodes,
                    default_nodes=tree.get("default_nodes"), topk=int(ex.get("topk", DEFAULT_TOPK)), typical=typical)
 
-    # ---------------------------------------------------------------------------------------- hooks
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Keep the hidden state that predicted the last emitted token, tagged with the length it is valid for
-        (a preempted or otherwise rewound sequence must not draft from a stale state)."""
-        if seq.params.speculative:
-            seq.spec_state["medusa_hidden"] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
-
-    def release(self, seq: Sequence) -> None:
-        seq.spec_state.pop("medusa_hidden", None)
-
+    # ---------------------------------------------------------------------------------------- sizing
     def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
         """(nodes, expected tokens per step): fixed ``tree_nodes``; else the size that maximises expected
         tokens per second under the engine's measured step cost (0 = plain decoding pays better); else the
@@ -395,15 +415,10 @@ class MedusaProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
-        rows, hs = [], []
-        for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            st = seq.spec_state.get("medusa_hidden")
-            if k > 0 and st is not None and st[0] == seq.num_tokens:
-                rows.append(i)
-                hs.append(st[1])
-        if not rows:
+        rows, hidden = self.fresh_hidden(seqs, budgets)
+        if hidden is None:
             return props
-        cand = self.candidates(torch.stack(hs)).tolist()
+        cand = self.candidates(hidden).tolist()
         for i, c in zip(rows, cand):
             tokens, parents = T.materialize(self.paths[: budgets[i]], c)
             props[i] = Proposal(tokens, None, parents)
@@ -413,6 +428,7 @@ class MedusaProposer(Proposer):
 __all__ = [
     "DEFAULT_HEADS_DIR",
     "MedusaHeads",
+    "HeadsProposer",
     "MedusaProposer",
     "ONE_PER_OFFSET",
     "check_heads_fit",
