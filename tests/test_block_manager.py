@@ -478,3 +478,17 @@ def test_waiting_request_does_not_hold_cached_blocks() -> None:
     assert sched.bm.num_free_blocks == 2
     run_to_end(sched)
     assert again.metrics.num_cached_prompt_tokens == 8  # the cached blocks were still there once it ran
+
+
+def test_borrowed_blocks_come_back_even_when_the_work_fails() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    with bm.borrowed(9) as table:
+        assert len(table) == 3 and bm.num_free_blocks == 1
+    assert bm.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="boom"), bm.borrowed(4):
+        raise RuntimeError("boom")
+    assert bm.num_free_blocks == 4 and all(b.ref_count == 0 for b in bm.blocks)
+    with pytest.raises(ValueError, match="scoring 17 tokens needs 5 free KV blocks, 4 are free"):
+        with bm.borrowed(17, "scoring 17 tokens"):
+            pass
+    assert bm.num_free_blocks == 4

@@ -27,9 +27,20 @@ evicts the LRU cached block.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from leapdecode.engine.sequence import Sequence
+
+
+@dataclass
+class ScratchTable:
+    """The two fields of Sequence that ``allocate``/``free`` touch: a block table with no prefix-cache hashes,
+    for work that borrows KV blocks briefly (step-cost calibration, scoring text)."""
+
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +162,21 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
         for _ in range(need):
             seq.block_table.append(self._allocate_one(seq.block_table[-1] if seq.block_table else None))
+
+    @contextmanager
+    def borrowed(self, num_tokens: int, what: str = "scratch work") -> Iterator[list[int]]:
+        """A block table for ``num_tokens`` positions taken from the free pool and returned when the ``with``
+        block exits. Raises ValueError saying ``what`` needed how many blocks when they are not free (callers that
+        would rather skip compare ``blocks_needed(n)`` with ``num_free_blocks`` first)."""
+        scratch = ScratchTable()
+        if not self.can_allocate(scratch, num_tokens):  # type: ignore[arg-type]
+            raise ValueError(f"{what} needs {self.blocks_needed(num_tokens)} free KV blocks, "
+                             f"{self.num_free_blocks} are free")
+        self.allocate(scratch, num_tokens)  # type: ignore[arg-type]
+        try:
+            yield scratch.block_table
+        finally:
+            self.free(scratch)  # type: ignore[arg-type]
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Release blocks beyond those covering ``num_tokens`` (rejected draft tokens' slots)."""

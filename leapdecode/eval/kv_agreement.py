@@ -42,19 +42,14 @@ def first_turns(path: str | Path, n: int) -> list[str]:
 def teacher_forced_logprobs(llm, prompts: list[list[int]], outputs: list[list[int]]) -> list[torch.Tensor]:
     """Log-probs [len(output), vocab] predicting each output token from prompt + earlier outputs."""
     from leapdecode.engine.model_runner import ForwardItem
-    from leapdecode.eval.perplexity import _Scratch
 
     engine, res = llm.engine, []
     for p, o in zip(prompts, outputs, strict=True):
         tokens = p + o
-        scratch = _Scratch()
-        engine.block_manager.allocate(scratch, len(tokens))  # type: ignore[arg-type]
-        try:
+        with engine.block_manager.borrowed(len(tokens), f"scoring {len(tokens)} tokens") as table:
             rows = list(range(len(p) - 1, len(tokens) - 1))
-            (r,) = engine.runner.execute([ForwardItem(scratch.block_table, 0, tokens, rows)])
+            (r,) = engine.runner.execute([ForwardItem(table, 0, tokens, rows)])
             res.append(r.logits.float().log_softmax(-1))
-        finally:
-            engine.block_manager.free(scratch)  # type: ignore[arg-type]
     return res
 
 

@@ -19,7 +19,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -28,14 +28,6 @@ import torch.nn.functional as F
 from leapdecode.engine.model_runner import ForwardItem
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext2" / "test.txt"
-
-
-@dataclass
-class _Scratch:
-    """The two fields BlockManager.allocate/free touch: a borrowed block table with no prefix-cache hashes."""
-
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,12 +54,7 @@ def load_tokens(tokenizer, path: str | Path = DEFAULT_DATA, max_tokens: int = 40
 @torch.inference_mode()
 def window_nll(engine, tokens: list[int], step: int | None = None) -> tuple[float, int]:
     """Summed NLL (nats) of tokens[1:] given their prefix, and how many were scored, via the engine's runner."""
-    bm = engine.block_manager
-    scratch = _Scratch()
-    if not bm.can_allocate(scratch, len(tokens)):  # type: ignore[arg-type]
-        raise ValueError(f"a {len(tokens)}-token window needs {bm.blocks_needed(len(tokens))} free KV blocks")
-    bm.allocate(scratch, len(tokens))  # type: ignore[arg-type]
-    try:
+    with engine.block_manager.borrowed(len(tokens), f"a {len(tokens)}-token window") as table:
         step = step or len(tokens)
         total, count = 0.0, 0
         for start in range(0, len(tokens), step):
@@ -76,13 +63,11 @@ def window_nll(engine, tokens: list[int], step: int | None = None) -> tuple[floa
             rows = [i for i in range(len(piece)) if start + i + 1 < len(tokens)]
             if not rows:
                 break
-            (res,) = engine.runner.execute([ForwardItem(scratch.block_table, start, piece, rows)])
+            (res,) = engine.runner.execute([ForwardItem(table, start, piece, rows)])
             targets = torch.tensor([tokens[start + i + 1] for i in rows], device=res.logits.device)
             total += F.cross_entropy(res.logits.float(), targets, reduction="sum").item()
             count += len(rows)
         return total, count
-    finally:
-        bm.free(scratch)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -93,18 +78,11 @@ def completion_nll(engine, prompt: list[int], output: list[int]) -> tuple[float,
     if not output:
         return 0.0, 0
     tokens = list(prompt) + list(output)
-    bm = engine.block_manager
-    scratch = _Scratch()
-    if not bm.can_allocate(scratch, len(tokens)):  # type: ignore[arg-type]
-        raise ValueError(f"scoring {len(tokens)} tokens needs {bm.blocks_needed(len(tokens))} free KV blocks")
-    bm.allocate(scratch, len(tokens))  # type: ignore[arg-type]
-    try:
+    with engine.block_manager.borrowed(len(tokens), f"scoring {len(tokens)} tokens") as table:
         rows = list(range(len(prompt) - 1, len(tokens) - 1))
-        (res,) = engine.runner.execute([ForwardItem(scratch.block_table, 0, tokens, rows)])
+        (res,) = engine.runner.execute([ForwardItem(table, 0, tokens, rows)])
         targets = torch.tensor(output, device=res.logits.device)
         return F.cross_entropy(res.logits.float(), targets, reduction="sum").item(), len(output)
-    finally:
-        bm.free(scratch)  # type: ignore[arg-type]
 
 
 def perplexity(engine, tokens: list[int], window: int = 512, step: int | None = None) -> PerplexityResult:

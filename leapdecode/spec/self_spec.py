@@ -493,20 +493,16 @@ class SelfSpecProposer(ShadowCacheProposer):
         """One draft step of ``n`` rows at a short context on borrowed scratch blocks (returned), for the cost
         model; it bypasses the capture so h_pool is untouched."""
         ctx = 64
-        tsh, ash = _Shadow(), _Shadow()
-        bm = self.engine.block_manager
-        if not bm.can_allocate(tsh, ctx + n) or not self.adapter_bm.can_allocate(ash, ctx + n):  # type: ignore
+        bm, abm = self.engine.block_manager, self.adapter_bm
+        if any(m.blocks_needed(ctx + n) > m.num_free_blocks for m in (bm, abm)):
             return
-        bm.allocate(tsh, ctx + n)  # type: ignore[arg-type]
-        self.adapter_bm.allocate(ash, ctx + n)  # type: ignore[arg-type]
         counters = (self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens)
         try:
-            h = self._shared([ForwardItem(tsh.block_table, ctx, [0] * n, [])])
-            out = self._adapter_pass([ForwardItem(ash.block_table, ctx, [0] * n, list(range(n)))], h)
-            torch.softmax(self._logits(out), dim=-1).max(dim=-1)
+            with bm.borrowed(ctx + n) as target_table, abm.borrowed(ctx + n) as adapter_table:
+                h = self._shared([ForwardItem(target_table, ctx, [0] * n, [])])
+                out = self._adapter_pass([ForwardItem(adapter_table, ctx, [0] * n, list(range(n)))], h)
+                torch.softmax(self._logits(out), dim=-1).max(dim=-1)
         finally:
-            bm.free(tsh)  # type: ignore[arg-type]
-            self.adapter_bm.free(ash)  # type: ignore[arg-type]
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:

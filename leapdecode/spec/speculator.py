@@ -111,16 +111,10 @@ class Speculator:
     def _timed_step(runner, bm, n: int) -> None:
         """One forward of n tokens on a scratch sequence (one block table borrowed from the pool, returned)."""
         ctx = 64  # a short chat context: the regime where the step cost matters most
-        from leapdecode.spec.draft_model import _Shadow
-
-        sh = _Shadow()
-        if not bm.can_allocate(sh, ctx + n):
+        if bm.blocks_needed(ctx + n) > bm.num_free_blocks:
             return
-        bm.allocate(sh, ctx + n)
-        try:
-            runner.execute([ForwardItem(sh.block_table, ctx, [0] * n, list(range(n)))])
-        finally:
-            bm.free(sh)
+        with bm.borrowed(ctx + n) as table:
+            runner.execute([ForwardItem(table, ctx, [0] * n, list(range(n)))])
 
     # -------------------------------------------------------------------------------------------- policy
     def state(self, seq: Sequence, method: str) -> GammaState:
