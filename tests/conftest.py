@@ -90,6 +90,16 @@ def bundled_llm():
     return LLM(kv_cache_blocks=1024)
 
 
+# prompts whose continuations repeat what came before (copies, counting, cycles), so drafters have something to
+# find; shared by the speculative, Medusa and blockwise tests
+SPEC_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
+    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
+    "a b c a b c a b",
+]
+
+
 def assert_no_leaks(llm) -> None:
     """Every KV block is back in the free pool (cached-but-free blocks count as free)."""
     bm = llm.engine.block_manager

@@ -26,15 +26,10 @@ from leapdecode.train.blockwise import (
     train_step_memory,
 )
 
+from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
 
 VOCAB = 49152
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
-    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
-    "a b c a b c a b",
-]
 SHAPES = [(1, 1), (7, 1), (8, 4), (10, 4), (13, 5), (16, 16), (5, 8), (23, 3)]  # incl. ragged last blocks
 
 

@@ -38,15 +38,10 @@ from leapdecode.train.medusa import (
     weighted_loss,
 )
 
+from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
 
 VOCAB = 49152
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
-    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
-    "a b c a b c a b",
-]
 
 
 def _spec(model: str, **kw) -> dict:

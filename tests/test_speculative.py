@@ -11,14 +11,8 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.spec.dynamic_gamma import DynamicGamma, StepCostModel, expected_tokens
 from leapdecode.spec.verify import verify_greedy, verify_sampling
 
+from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
-    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
-    "a b c a b c a b",
-]
 
 
 def _spec(method: str, **kw) -> dict:
