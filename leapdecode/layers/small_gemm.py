@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -53,8 +54,6 @@ def load_kernel(required: bool = False):
         return _ext
     if _error is None:
         try:
-            import sys
-
             from torch.utils.cpp_extension import _get_build_directory, load
 
             name = f"leapdecode_small_gemm_{_cpu_tag()}"
