@@ -93,7 +93,9 @@ class Speculator:
         self.proposer = next(iter(self.proposers.values()))  # the proposer of single-method configs
         self.gamma = DynamicGamma(cfg)
         self.cost: StepCostModel | None = None
-        if cfg.use_cost_model or cfg.method == "auto":
+        # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
+        sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
+        if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
             self.cost = StepCostModel.calibrate(self._timed_target_step)
             for prop in self.proposers.values():
                 draft_runner = getattr(prop, "runner", None)
