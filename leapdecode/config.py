@@ -96,8 +96,10 @@ class EngineConfig:
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None
     num_threads: int | None = None
-    # few-row projections (decode, verification, small batches): "auto" = the packed kernel of
-    # layers/small_gemm.py on CPU float32 when it builds, "packed" = require it, "torch" = F.linear only
+    # few-row projections (decode, verification, small batches), CPU float32 only: "auto" = the packed kernel of
+    # layers/small_gemm.py when it builds, reading a GGUF checkpoint's own Q4/Q8 blocks where they reproduce the
+    # weights exactly (bit-identical results) and float32 panels elsewhere; "packed" = the same but the kernel
+    # must build; "packed-float32" = float32 panels only; "torch" = F.linear only
     linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
@@ -132,12 +134,13 @@ class EngineConfig:
             isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
             f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
         )
-        _check(
-            self.linear_kernel in ("auto", "packed", "torch"),
-            f'linear_kernel must be "auto", "packed" or "torch", got {self.linear_kernel!r}',
-        )
-        if self.linear_kernel == "packed":
-            _check(dev.type == "cpu" and self.dtype == "float32", 'linear_kernel="packed" is for CPU float32 models')
+        kernels = ("auto", "packed", "packed-float32", "torch")
+        _check(self.linear_kernel in kernels, f"linear_kernel must be one of {kernels}, got {self.linear_kernel!r}")
+        if self.linear_kernel.startswith("packed"):
+            _check(
+                dev.type == "cpu" and self.dtype == "float32",
+                f"linear_kernel={self.linear_kernel!r} is for CPU float32 models",
+            )
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -80,6 +80,17 @@ def test_bundled_config(bundled_llm: LLM) -> None:
     assert cfg.tie_word_embeddings and cfg.vocab_size == 49152
 
 
+def test_decoding_reads_the_checkpoints_own_blocks(bundled_llm: LLM) -> None:
+    """Every projection packs from the GGUF's Q4_1 blocks and the tied LM head from the Q8_0 embedding: ``enable``
+    only does so after checking that the blocks rebuild the loaded float32 weights exactly (layers/small_gemm.py),
+    so this also checks the loader's fusing and Q/K unpermutation of the blocks."""
+    from leapdecode.layers import small_gemm
+
+    if small_gemm.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernel")
+    assert small_gemm.packed_formats(bundled_llm.engine.model) == {"q4": 4 * 30, "q8": 1}
+
+
 def test_greedy_tokens_match_hf(
     bundled_llm: LLM, hf_bundled: torch.nn.Module, chat_ids: list[list[int]]
 ) -> None:

@@ -1,5 +1,5 @@
 """The packed few-row linear kernel (layers/small_gemm.py): same numbers as torch, row results independent of
-the number of rows, and the engine's choice between it and torch."""
+the number of rows, GGUF block formats bit-identical to float32, and the engine's choice between it and torch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
+from leapdecode.layers.linear import ColumnParallelLinear
 
 ext = small_gemm.load_kernel()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
@@ -35,6 +36,67 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call() -> None
     alone = torch.cat([ext.small_linear(x[i : i + 1].contiguous(), packed) for i in range(64)])
     for m in (2, 5, 8, 13, 40, 64):
         assert torch.equal(ext.small_linear(x[:m].contiguous(), packed), alone[:m])
+
+
+def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[small_gemm.BlockQuantized, torch.Tensor]:
+    """A random [n, k] weight quantized by gguf-py to ``fmt``: our parse of its blocks and gguf's dequantisation."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, fmt)
+    raw = gguf.quants.quantize(w, qtype)
+    ref = torch.from_numpy(np.asarray(gguf.dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
+    return small_gemm.BlockQuantized.from_gguf(fmt, raw, (n, k)), ref
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_rebuild_the_dequantised_weights_exactly(fmt: str) -> None:
+    bq, ref = _gguf_blocks(fmt, 48, 96, seed=1)
+    assert bq.kind == ("q8" if fmt == "Q8_0" else "q4")
+    assert torch.equal(bq.dequantize(), ref)
+    perm = torch.randperm(48)
+    assert torch.equal(bq.map_parts(lambda t: t[perm]).dequantize(), ref[perm])  # e.g. llama.cpp's Q/K unpermute
+    both = small_gemm.BlockQuantized.cat([bq, bq])
+    assert torch.equal(both.dequantize(), torch.cat([ref, ref]))
+    assert small_gemm.BlockQuantized.cat([bq, None]) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_kernels_equal_the_float32_kernel_bit_for_bit(fmt: str) -> None:
+    bq, ref = _gguf_blocks(fmt, 96, 576, seed=2)
+    blocks, panels = bq.pack(), small_gemm.pack(ref)
+    record = small_gemm.Q8_RECORD if fmt == "Q8_0" else small_gemm.Q4_RECORD
+    assert blocks.dtype == torch.uint8 and blocks.shape == (96 // 16, 576 // 32, record)
+    g = torch.Generator().manual_seed(3)
+    for m in (1, 2, 3, 8, 9, 17, 64):
+        x = torch.randn(m, 576, generator=g)
+        assert torch.equal(small_gemm.linear(x, ref, None, blocks), ext.small_linear(x, panels)), m
+    torch.testing.assert_close(small_gemm.linear(x, ref, None, blocks), F.linear(x, ref), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_blocks_are_used_only_while_they_reproduce_the_weight() -> None:
+    bq, ref = _gguf_blocks("Q4_1", 32, 64, seed=4)
+
+    def layer(weight: torch.Tensor) -> ColumnParallelLinear:
+        lin = ColumnParallelLinear(64, [32])
+        lin.weight.data.copy_(weight)
+        lin.block_quantized = bq
+        return lin
+
+    exact = layer(ref)
+    assert small_gemm.enable(exact) == 1 and small_gemm.packed_formats(exact) == {"q4": 1}
+    assert exact.block_quantized is None  # released: the packed records hold everything
+    changed = layer(ref + 1e-3)  # e.g. fine-tuned after loading
+    small_gemm.enable(changed)
+    assert small_gemm.packed_formats(changed) == {"float32": 1}
+    opted_out = layer(ref)
+    small_gemm.enable(opted_out, use_blocks=False)
+    assert small_gemm.packed_formats(opted_out) == {"float32": 1}
+    x = torch.randn(3, 64)
+    assert torch.equal(exact(x), opted_out(x))
 
 
 @needs_kernel

@@ -78,7 +78,9 @@ class LLMEngine:
             return 0
         from leapdecode.layers import small_gemm
 
-        return small_gemm.enable(model, required=cfg.linear_kernel == "packed")
+        return small_gemm.enable(
+            model, required=cfg.linear_kernel.startswith("packed"), use_blocks=cfg.linear_kernel != "packed-float32"
+        )
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(

@@ -14,6 +14,12 @@ which is compute-bound there and tuned for it. The copy costs one more set of we
 Numerics: every output of the kernel is summed in one fixed order whatever the number of rows, so a token's
 projections are bit-identical whether it is decoded alone, in a batch of 40, or verified among drafts.
 
+Weights that came from a GGUF block format (Q4_0, Q4_1, Q8_0 — the bundled model is Q4_1 with a Q8_0 embedding)
+are packed from their blocks instead (``BlockQuantized``): the kernel rebuilds the exact float32 weights in registers
+and sums in the same order, so results are bit-identical to the float32 packing while a step reads 6 or 9 bits per
+weight instead of 32. This is not a lossy option: the float32 model *is* the dequantised checkpoint. Before use,
+the blocks are checked to reproduce the layer's weight exactly (a weight changed after loading keeps float32).
+
 The kernel is C++ compiled on first use with the host compiler (``-march=native``; ~30 s once, cached by torch in
 ``~/.cache/torch_extensions``). Without a compiler, ``"auto"`` falls back to torch with one warning.
 """
@@ -24,11 +30,15 @@ import hashlib
 import platform
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+MODES = ("auto", "packed", "packed-float32", "torch")
+Q4_RECORD, Q8_RECORD = 384, 576  # bytes per 16 rows x 32 inputs (kernels/small_gemm.cpp)
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "small_gemm.cpp"
 _ext = None
@@ -92,17 +102,118 @@ def packable(weight: torch.Tensor) -> bool:
     )
 
 
+@dataclass
+class BlockQuantized:
+    """A weight as a GGUF checkpoint stores it: ``w[n, k] = scale[n, k // 32] * q[n, k] + minimum[n, k // 32]``.
+
+    ``kind`` "q4": q in 0..15 (Q4_1; Q4_0's ``d * (q - 8)`` is kept with ``minimum = -8 d``, the same float32
+    value); "q8": q in -128..127 and no minimum (Q8_0). Scales are fp16 values held as float32, so ``scale * q`` is
+    exact and ``dequantize`` reproduces gguf's float32 dequantisation bit for bit.
+    """
+
+    kind: str
+    q: torch.Tensor  # [N, K] uint8 (q4) or int8 (q8)
+    scale: torch.Tensor  # [N, K/32] float32
+    minimum: torch.Tensor | None = None  # [N, K/32] float32 (q4)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockQuantized | None:
+        """Parse the raw blocks of a 2-D GGUF tensor (``shape`` = [N, K], row-major); None for other formats."""
+        n, k = shape
+        if type_name not in ("Q4_0", "Q4_1", "Q8_0") or k % 32:
+            return None
+        block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // 32, block_bytes)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if type_name == "Q8_0":
+            q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+            return cls("q8", torch.from_numpy(q), torch.from_numpy(scale))
+        packed = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)  # element j, then j + 16
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if type_name == "Q4_1" else (
+            -8.0 * scale)
+        return cls("q4", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().reshape(n, k // 32, 32) * self.scale.unsqueeze(-1)
+        if self.minimum is not None:
+            w = w + self.minimum.unsqueeze(-1)
+        return w.reshape(n, k)
+
+    def map_parts(self, fn) -> BlockQuantized:
+        """Apply ``fn`` (e.g. a row permutation) to q, scale and minimum alike."""
+        parts = [None if t is None else fn(t).contiguous() for t in (self.q, self.scale, self.minimum)]
+        return BlockQuantized(self.kind, *parts)
+
+    def shard(self, shard_dim: int | None, parts: list[int] | None) -> BlockQuantized | None:
+        """This tensor-parallel rank's piece (see layers/linear.py ``shard_tensor``); None when a rank's inputs
+        would not hold whole blocks of 32."""
+        from leapdecode.layers.linear import shard_tensor
+        from leapdecode.parallel import tp_size
+
+        if shard_dim is None or tp_size() == 1:
+            return self
+        if shard_dim == 1:
+            if (self.q.shape[1] // tp_size()) % 32:
+                return None
+            return self.map_parts(lambda t: shard_tensor(t, 1))
+        return self.map_parts(lambda t: shard_tensor(t, 0, parts))
+
+    @staticmethod
+    def cat(parts: list[BlockQuantized | None]) -> BlockQuantized | None:
+        """Row-concatenation (fused QKV / gate-up); None unless every part is block-quantized alike."""
+        if any(p is None or p.kind != parts[0].kind for p in parts):
+            return None
+        minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
+        return BlockQuantized(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                              minimum)
+
+    def pack(self) -> torch.Tensor:
+        """The kernel's layout: [N/16, K/32, record] uint8 (see kernels/small_gemm.cpp)."""
+        n, k = self.q.shape
+        nb = k // 32
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] f32 -> [N/16, K/32, 64] bytes
+            return t.reshape(n // 16, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+        q = self.q.reshape(n // 16, 16, nb, 16, 2)  # (panel, row j, block, pair i, parity)
+        if self.kind == "q4":
+            pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, nb, 256)
+            return torch.cat([per_block(self.scale), per_block(self.minimum), pairs], dim=-1).contiguous()
+        rows = q.view(torch.uint8).permute(0, 2, 3, 4, 1).reshape(n // 16, nb, 512)
+        return torch.cat([per_block(self.scale), rows], dim=-1).contiguous()
+
+
+def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
+    """The blocks exist, fit the kernel's shape rules and still reproduce ``weight`` exactly."""
+    return (
+        bq is not None
+        and packable(weight)
+        and tuple(bq.q.shape) == tuple(weight.shape)
+        and weight.shape[1] % 32 == 0
+        and torch.equal(bq.dequantize(), weight)
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward)."""
+    """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward).
+    ``packed`` is a float32 [N/16, K, 16] panel set or a uint8 block-quantized one (its record size says which)."""
     if packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not x.requires_grad and x.shape[0] > 0:
-        y = _ext.small_linear(x.contiguous(), packed)
+        if packed.dtype == torch.float32:
+            y = _ext.small_linear(x.contiguous(), packed)
+        elif packed.shape[2] == Q4_RECORD:
+            y = _ext.q4_linear(x.contiguous(), packed)
+        else:
+            y = _ext.q8_linear(x.contiguous(), packed)
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
 
-def enable(model: torch.nn.Module, required: bool = False) -> int:
-    """Give every packable projection of ``model`` (layers with a ``packed`` slot) its packed copy. Returns how
-    many were packed (0 when the kernel is unavailable). Idempotent."""
+def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = True) -> int:
+    """Give every packable projection of ``model`` (layers with a ``packed`` slot) its packed copy: from the
+    checkpoint's blocks where they reproduce the weight exactly (``use_blocks``; the blocks are then released),
+    else float32 panels. Returns how many were packed (0 when the kernel is unavailable). Idempotent."""
     if load_kernel(required) is None:
         return 0
     n = 0
@@ -111,6 +222,22 @@ def enable(model: torch.nn.Module, required: bool = False) -> int:
             continue
         w = mod.get_weight() if hasattr(mod, "get_weight") else mod.weight
         if mod.packed is None and packable(w):
-            mod.packed = pack(w)
+            owner = getattr(mod, "tied_to", None) or mod  # a tied LM head reads the embedding's blocks
+            bq = getattr(owner, "block_quantized", None)
+            if use_blocks and block_packable(w, bq):
+                mod.packed, owner.block_quantized = bq.pack(), None  # the packed records hold it all
+            else:
+                mod.packed = pack(w)
         n += mod.packed is not None
     return n
+
+
+def packed_formats(model: torch.nn.Module) -> dict[str, int]:
+    """How many layers of ``model`` use each kernel format: {"float32": .., "q4": .., "q8": ..}."""
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        p = getattr(mod, "packed", None)
+        if isinstance(p, torch.Tensor):
+            kind = "float32" if p.dtype == torch.float32 else ("q4" if p.shape[2] == Q4_RECORD else "q8")
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts

