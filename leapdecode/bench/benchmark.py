@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leapdecode.bench.prompts import load_prompt_set
+from leapdecode.layers.small_gemm import packed_formats
 
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "none": None,
@@ -85,8 +86,14 @@ def measure_bandwidth_gbps(device: torch.device, mb: int = 512) -> float:
 
 
 def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head)."""
+    """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head), in the
+    form its kernel reads it (float32 panels or the checkpoint's Q4/Q8 blocks, layers/small_gemm.py)."""
     seen, total = set(), 0
+    for mod in model.modules():
+        packed = getattr(mod, "packed", None)
+        if packed is not None:
+            seen.add(id(mod.get_weight() if hasattr(mod, "get_weight") else mod.weight))
+            total += packed.numel() * packed.element_size()
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
@@ -297,7 +304,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "",
         f"- command: `{command}`",
         f"- machine: {machine_info()}",
-        f"- model: {eng.model_path} ({wbytes / 1e6:.0f} MB of {args.dtype} weights read per decode step)",
+        f"- model: {eng.model_path} ({wbytes / 1e6:.0f} MB of weights read per decode step; {args.dtype} compute, "
+        f"kernel formats {packed_formats(eng.model) or 'none (torch linear)'})",
         f"- measured read bandwidth: {bw:.1f} GB/s (sum over a 512 MB buffer)",
         "",
     ]

@@ -184,8 +184,15 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+// kernels/decode_ops.cpp, built into the same extension
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t kv_start,
+                               torch::Tensor kv_slots, int64_t n, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
+  m.def("decode_attention", &decode_attention, "one token's attention over its paged K/V (float32)");
 }

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from leapdecode.layers import split_kv
+from leapdecode.layers import small_gemm, split_kv
 from leapdecode.layers.kv_quant import KVPlane, read_kv_range, read_kv_slots, write_kv
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)  # decode_attention reads a contiguous run
 
 # New-token count up to which sequences are batched into one padded attention call.
 SMALL_QUERY = 16
@@ -165,16 +167,17 @@ def paged_attention(
     v_cache: KVPlane,
     meta: AttentionMetadata,
     scale: float,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
-
-    Returns [T, H, D]."""
+    ``use_kernel``: a batch-1 decode token over a float32 CPU cache attends in one C++ call
+    (kernels/decode_ops.cpp). Returns [T, H, D]."""
     if not isinstance(k_cache, torch.Tensor) and k_cache.rotation is not None:
         # an int8 cache stores K/V rotated by R (kv_quant.py): q.k = (qR).(kR), so attend in that basis
         rot = k_cache.rotation
         o = _paged_attention((q.float() @ rot).to(q.dtype), k, v, k_cache, v_cache, meta, scale)
         return (o.float() @ rot.T).to(q.dtype)
-    return _paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return _paged_attention(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
 
 
 def _paged_attention(
@@ -185,11 +188,12 @@ def _paged_attention(
     v_cache: KVPlane,
     meta: AttentionMetadata,
     scale: float,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     group = heads // hkv
     if q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and meta.groups[0].split is None:
-        return _decode_one(q, k, v, k_cache, v_cache, meta, scale)
+        return _decode_one(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].q_start == 0 and meta.groups[0].q_len == q.shape[0]:
@@ -246,6 +250,7 @@ def _decode_one(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     """The batch-1 decode step (one new token, float cache), the case that sets single-stream latency: the same
     computation as the general loop with a third of its tensor calls, since at this size each call costs more than
@@ -254,6 +259,10 @@ def _decode_one(
     hkv, d = k.shape[1], k.shape[2]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if use_kernel and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu":
+        start, slots = (g.kv_start, _NO_SLOTS) if g.kv_start is not None else (0, g.kv_slots)
+        o = small_gemm.decode_attention(q.reshape(-1, d).contiguous(), k_cache, v_cache, start, slots, g.kv_len, scale)
+        return o.view(1, -1, d)
     if g.kv_start is not None:
         kg, vg = k_cache[g.kv_start : g.kv_start + g.kv_len], v_cache[g.kv_start : g.kv_start + g.kv_len]
     else:

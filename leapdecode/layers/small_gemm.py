@@ -40,7 +40,8 @@ import torch.nn.functional as F
 MODES = ("auto", "packed", "packed-float32", "torch")
 Q4_RECORD, Q8_RECORD = 384, 576  # bytes per 16 rows x 32 inputs (kernels/small_gemm.cpp)
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "small_gemm.cpp"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
 _ext = None
 _error: str | None = None
 
@@ -71,7 +72,7 @@ def load_kernel(required: bool = False):
                 print("leapdecode: building the few-row linear kernel (once, ~30 s)", file=sys.stderr, flush=True)
             _ext = load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
@@ -218,6 +219,8 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
         return 0
     n = 0
     for mod in model.modules():
+        if hasattr(mod, "use_kernel"):  # RMSNorm, Attention: the decode-step ops of kernels/decode_ops.cpp
+            mod.use_kernel = True
         if not hasattr(mod, "packed"):
             continue
         w = mod.get_weight() if hasattr(mod, "get_weight") else mod.weight
@@ -230,6 +233,18 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
                 mod.packed = pack(w)
         n += mod.packed is not None
     return n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one C++ call (kernels/decode_ops.cpp) for CPU float32 inference; torch's otherwise."""
+    if _ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        return _ext.rms_norm(x.contiguous(), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def decode_attention(q, k_cache, v_cache, kv_start: int, kv_slots, kv_len: int, scale: float) -> torch.Tensor:
+    """One token's attention, [H, D] -> [H, D], over its paged float32 K/V (kernels/decode_ops.cpp)."""
+    return _ext.decode_attention(q, k_cache, v_cache, kv_start, kv_slots, kv_len, scale)
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leapdecode.layers import small_gemm
 from leapdecode.layers.attention import AttentionMetadata, paged_attention
 from leapdecode.layers.linear import (
     ColumnParallelLinear,
@@ -28,8 +29,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.weight.shard_dim, self.weight.shard_parts = None, None
+        self.use_kernel = False  # set by small_gemm.enable: one C++ call instead of torch's five ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return small_gemm.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -48,6 +52,7 @@ class Attention(nn.Module):
             bias=cfg.attention_bias,
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
+        self.use_kernel = False  # set by small_gemm.enable: batch-1 decode attention in C++
 
     def forward(
         self,
@@ -61,7 +66,7 @@ class Attention(nn.Module):
         # q and k are adjacent in the fused projection: rotate them as one [T, heads + kv_heads, d] tensor
         qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, d), rope)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
-        o = paged_attention(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], meta, self.scale, self.use_kernel)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
