@@ -24,23 +24,45 @@ def test_rms_norm_matches_torch_and_rows_are_independent(rows: int, dim: int) ->
     assert xg.grad is not None
 
 
-@pytest.mark.parametrize("n", [1, 15, 17, 200, 3000])  # 3000 x 3 query heads per KV head: the threaded path
+def _reference(q, k_cache, v_cache, slots: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """One row [H, D] over the listed slots with torch's SDPA."""
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    kg, vg = k_cache[slots].transpose(0, 1).unsqueeze(0), v_cache[slots].transpose(0, 1).unsqueeze(0)
+    return F.scaled_dot_product_attention(q.view(1, hkv, group, d), kg, vg, scale=scale).view(-1, d)
+
+
+@pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5]])  # 3000 x 9 heads: the threaded path
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: a vector plus a scalar tail
-@pytest.mark.parametrize("gather", [True, False])
-def test_decode_attention_matches_sdpa(n: int, head_dim: int, gather: bool) -> None:
-    g = torch.Generator().manual_seed(n + head_dim)
+def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(lengths: list[int], head_dim: int) -> None:
+    g = torch.Generator().manual_seed(sum(lengths) + head_dim)
     hkv, group, num_slots = 3, 3, 4096
     k_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
     v_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
-    q = torch.randn(hkv * group, head_dim, generator=g) * 2
-    if gather:
-        slots, start = torch.randperm(num_slots, generator=g)[:n], 0
-    else:
-        start = 100
-        slots = torch.arange(start, start + n)
+    t = len(lengths) + 2  # two rows of q are left to other kernels: their output rows stay untouched
+    q = torch.randn(t, hkv * group, head_dim, generator=g) * 2
+    rows = torch.randperm(t, generator=g)[: len(lengths)]
+    lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     scale = head_dim**-0.5
-    got = small_gemm.decode_attention(q, k_cache, v_cache, start, slots if gather else torch.empty(0, dtype=torch.long),
-                                      n, scale)
-    kg, vg = k_cache[slots].transpose(0, 1).unsqueeze(0), v_cache[slots].transpose(0, 1).unsqueeze(0)
-    want = F.scaled_dot_product_attention(q.view(1, hkv, group, head_dim), kg, vg, scale=scale).view_as(q)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    out = torch.full_like(q, 7.0)
+    small_gemm.attention_rows(q, k_cache, v_cache, rows, offsets, torch.cat(lists), scale, out)
+    for r, slots in zip(rows.tolist(), lists, strict=True):
+        torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots, scale, group), rtol=1e-5,
+                                   atol=2e-6)
+        alone = torch.empty_like(q)
+        small_gemm.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([0, len(slots)]), slots,
+                                  scale, alone)
+        assert torch.equal(alone[r], out[r])
+    untouched = sorted(set(range(t)) - set(rows.tolist()))
+    assert (out[untouched] == 7.0).all()
+
+
+def test_attention_rows_rejects_bad_indices() -> None:
+    k = torch.zeros(8, 1, 16)
+    q, out = torch.zeros(2, 1, 16), torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([8]), 1.0, out)
+    with pytest.raises(RuntimeError, match="out of range or sees no position"):
+        small_gemm.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
+    with pytest.raises(RuntimeError, match="out of range or sees no position"):
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 0]), torch.tensor([0]), 1.0, out)

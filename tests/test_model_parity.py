@@ -20,6 +20,7 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
+from leapdecode.layers import small_gemm
 from leapdecode.models.loader import load_model
 from leapdecode.sampling_params import SamplingParams
 from tests.conftest import TINY_DEFAULTS
@@ -95,17 +96,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def model_pair(tmp_path_factory) -> Callable[[str], Pair]:
     from transformers import AutoModelForCausalLM
 
-    cache: dict[str, Pair] = {}
+    cache: dict[tuple[str, bool], Pair] = {}
 
-    def get(name: str) -> Pair:
-        if name not in cache:
+    def get(name: str, kernels: bool = False) -> Pair:
+        """``kernels``: our model runs the CPU kernels (packed linears, C++ norm and few-row attention)."""
+        if (name, False) not in cache:
             arch, overrides = MODELS[name]
             d = tmp_path_factory.mktemp(f"parity_{name}")
-            _build_hf(arch, seed=len(cache) + 1, overrides=overrides).save_pretrained(str(d))
+            _build_hf(arch, seed=list(MODELS).index(name) + 1, overrides=overrides).save_pretrained(str(d))
             ours, _ = load_model(d)
             hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-            cache[name] = Pair(d, ours, hf)
-        return cache[name]
+            cache[name, False] = Pair(d, ours, hf)
+        if kernels and (name, True) not in cache:
+            if small_gemm.load_kernel() is None:
+                pytest.skip("no C++ toolchain to build the kernels")
+            base = cache[name, False]
+            ours, _ = load_model(base.path)
+            assert small_gemm.enable(ours) > 0
+            cache[name, True] = Pair(base.path, ours, base.hf)
+        return cache[name, kernels]
 
     return get
 
@@ -186,11 +195,12 @@ def test_prefill_matches_hf(model_pair, name: str) -> None:
     _assert_close(ours, ref, f"{name} prefill")
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_chunked_prefill_then_decode_matches_hf(model_pair, name: str) -> None:
+def test_chunked_prefill_then_decode_matches_hf(model_pair, name: str, kernels: bool) -> None:
     """Prefill in uneven chunks (large and small query groups), then decode one token at a time across block
     boundaries of a scrambled (non-contiguous) table."""
-    pair = model_pair(name)
+    pair = model_pair(name, kernels)
     tokens = _tokens(50, seed=2)
     ref = pair.hf_logits(tokens)
     runner, bm = pair.runner(num_blocks=30, block_size=4)
@@ -253,11 +263,12 @@ def test_interleaved_growth_gives_non_contiguous_tables(model_pair) -> None:
 # ----------------------------------------------------------------------------------------- mixed flat batches
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("name", ["gqa_4_2", "mqa_4_1", "mha_4_4", "qwen2_bias"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_flat_batches_match_hf(model_pair, name: str, block_size: int) -> None:
+def test_mixed_flat_batches_match_hf(model_pair, name: str, block_size: int, kernels: bool) -> None:
     """Prefills (long and short), chunk continuations and decode rows of several sequences, one flat batch."""
-    pair = model_pair(name)
+    pair = model_pair(name, kernels)
     lens = [60, 23, 9, 40]
     token_lists = [_tokens(n, seed=10 + i) for i, n in enumerate(lens)]
     refs = [pair.hf_logits(t) for t in token_lists]
@@ -274,9 +285,10 @@ def test_mixed_flat_batches_match_hf(model_pair, name: str, block_size: int) -> 
         _assert_close(o, r, f"{name} bs={block_size} sequence {i}")
 
 
-def test_decode_batch_with_prefill_matches_hf(model_pair) -> None:
+@pytest.mark.parametrize("kernels", [False, True])
+def test_decode_batch_with_prefill_matches_hf(model_pair, kernels: bool) -> None:
     """Many decode rows of different context lengths padded into one call, next to a prefill."""
-    pair = model_pair("gqa_4_2")
+    pair = model_pair("gqa_4_2", kernels)
     lens = [37, 5, 18, 26, 50]
     token_lists = [_tokens(n, seed=20 + i) for i, n in enumerate(lens)]
     refs = [pair.hf_logits(t) for t in token_lists]
@@ -316,3 +328,23 @@ def test_config_reads_rope_and_tying(model_pair) -> None:
     assert tied.lm_head.get_weight() is tied.embed_tokens.weight
     q = model_pair("qwen2_bias").ours.config
     assert q.attention_bias and q.rope_theta == 20000.0
+
+
+# ------------------------------------------------------------------------------------ bit-identical kernels
+
+
+@pytest.mark.parametrize("name", ["gqa_4_2", "tied"])
+def test_kernel_rows_are_bit_identical_alone_batched_and_as_drafts(model_pair, name: str) -> None:
+    """With the CPU kernels every row is computed on its own: a token's logits are bitwise the same decoded
+    alone, decoded in a batch with another sequence, and verified as part of a draft chain, which is what makes
+    greedy speculative decoding token-identical to plain decoding by construction."""
+    pair = model_pair(name, kernels=True)
+    a, b = _tokens(30, seed=40), _tokens(21, seed=41)
+    alone = _run_schedule(*pair.runner(num_blocks=40, block_size=4), [a], [[26], [1], [1], [1], [1]])[0]
+    chain = _run_schedule(*pair.runner(num_blocks=40, block_size=4), [a], [[26], [4]])[0]
+    batched = _run_schedule(
+        *pair.runner(num_blocks=40, block_size=4), [a, b], [[26, 17], [1, 1], [1, 1], [1, 1], [1, 1]]
+    )[0]
+    assert torch.equal(chain[26:], alone[26:])
+    assert torch.equal(batched[26:], alone[26:])
+    _assert_close(alone, pair.hf_logits(a), f"{name} with kernels")

@@ -99,69 +99,84 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-// One new token's attention over its cached positions, grouped-query aware, reading the paged cache in place.
-// q: [H, D]; k_cache, v_cache: [num_slots, Hkv, D]; the token's context is the slots kv_slots[0 .. n) (or the run
-// kv_start .. kv_start + n when kv_slots is empty). Returns [H, D]. Softmax in float32 with the max subtracted.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t kv_start,
-                               torch::Tensor kv_slots, int64_t n, double scale) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "decode_attention: q");
+// Attention for query rows that each see an explicit list of cache slots (decode tokens, drafts, tree nodes), in
+// place over the paged cache. q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to
+// slots[offsets[r] .. offsets[r+1]) (in position order) and its [H, D] result is written to out[t].
+// Each (row, KV head) is computed alone, in one fixed order, so a token's result depends only on its own query
+// and visible K/V: the same whether it is decoded alone, batched, or verified among drafts or tree candidates.
+// Softmax in float32 with the max subtracted.
+static void attend(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t n, int64_t h,
+                   int64_t G, int64_t D, int64_t row, float scale, float* o, std::vector<float>& buf) {
+  const int64_t np = (n + 15) / 16 * 16;  // scores padded to whole vectors
+  if (int64_t(buf.size()) < G * np) buf.resize(G * np);
+  float* sh = buf.data();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = kp + slots[j] * row + h * D;
+    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + (h * G + g) * D, kj, D) * scale;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = sh + g * np;
+    float m = sg[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+    for (int64_t j = n; j < np; ++j) sg[j] = m;
+    v16f acc = v16f{};
+    for (int64_t j = 0; j < np; j += 16) {
+      v16f e;
+      __builtin_memcpy(&e, sg + j, 64);
+      e = exp16(e - m);
+      __builtin_memcpy(sg + j, &e, 64);
+    }
+    for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
+    for (int64_t j = 0; j < np; j += 16) {
+      v16f e;
+      __builtin_memcpy(&e, sg + j, 64);
+      acc += e;
+    }
+    const float inv = 1.f / hsum(acc);
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+    float* og = o + (h * G + g) * D;
+    for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = vp + slots[j] * row + h * D;
+    for (int64_t g = 0; g < G; ++g) axpy(sh[g * np + j], vj, o + (h * G + g) * D, D);
+  }
+}
+
+void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
+                    torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
+              "attention_rows: out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 3,
-              "decode_attention: contiguous float32 caches [slots, Hkv, D]");
-  const int64_t H = q.size(0), D = q.size(1), Hkv = k_cache.size(1), G = H / Hkv;
-  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0 && n >= 1, "decode_attention: shapes");
-  const bool gather = kv_slots.numel() > 0;
-  TORCH_CHECK(!gather || (kv_slots.scalar_type() == torch::kLong && kv_slots.numel() >= n), "decode_attention: slots");
-  const int64_t* slots = gather ? kv_slots.data_ptr<int64_t>() : nullptr;
-  auto o = torch::empty_like(q);
+                  v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "attention_rows: contiguous float32 caches [slots, Hkv, D]");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
+                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
+                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
+              "attention_rows: int64 rows [R], offsets [R + 1], slots");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
+  const int64_t R = rows.numel(), num_slots = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "attention_rows: head shapes");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(),
+                "attention_rows: row ", r, " is out of range or sees no position");
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "attention_rows: slot out of range");
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  const int64_t row = Hkv * D;  // floats per slot
-  // one task per KV head: its G query heads share every K/V row read
-  const int64_t np = (n + 15) / 16 * 16;  // scores padded to whole vectors
-  // one thread unless the context is long: waking a second one costs more than a short attention
-  at::parallel_for(0, Hkv, n * G >= 4096 ? 1 : Hkv, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * np);
-    for (int64_t h = begin; h < end; ++h) {
-      float* sh = s.data();
-      for (int64_t j = 0; j < n; ++j) {
-        const float* kj = kp + (gather ? slots[j] : kv_start + j) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          sh[g * np + j] = dot(qp + (h * G + g) * D, kj, D) * float(scale);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = sh + g * np;
-        float m = sg[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-        for (int64_t j = n; j < np; ++j) sg[j] = m;
-        v16f acc = v16f{};
-        for (int64_t j = 0; j < np; j += 16) {
-          v16f e;
-          __builtin_memcpy(&e, sg + j, 64);
-          e = exp16(e - m);
-          __builtin_memcpy(sg + j, &e, 64);
-        }
-        for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
-        for (int64_t j = 0; j < np; j += 16) {
-          v16f e;
-          __builtin_memcpy(&e, sg + j, 64);
-          acc += e;
-        }
-        const float inv = 1.f / hsum(acc);
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* og = op + (h * G + g) * D;
-        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = vp + (gather ? slots[j] : kv_start + j) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(sh[g * np + j], vj, op + (h * G + g) * D, D);
-      }
+  float* outp = out.data_ptr<float>();
+  const int64_t work = (op[R] - op[0]) * H;  // score count: one thread unless waking a second one pays
+  at::parallel_for(0, R * Hkv, work >= 16384 ? 1 : R * Hkv, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / Hkv, h = task % Hkv, t = rp[r];
+      attend(qp + t * H * D, kp, vp, sp + op[r], op[r + 1] - op[r], h, G, D, Hkv * D, float(scale),
+             outp + t * H * D, buf);
     }
   });
-  return o;
 }

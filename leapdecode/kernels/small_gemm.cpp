@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel stream
 
@@ -110,6 +112,20 @@ static inline v16f int8s_to_floats(const uint8_t* p) {
 #endif
 constexpr int64_t Q4_RECORD = 384, Q8_RECORD = 576;
 
+// The 32 x 16 float32 weights of one record, w0 = inputs k0 + 2i, w1 = k0 + 2i + 1 for the 16 outputs.
+template <bool Q4>
+static inline void dequant_pair(const uint8_t* rec, int i, v16f d, v16f m, v16f& w0, v16f& w1) {
+  const uint8_t* q = rec + (Q4 ? 128 : 64);
+  if (Q4) {
+    nibbles_to_floats(q + i * 16, w0, w1);
+    w0 = w0 * d + m;
+    w1 = w1 * d + m;
+  } else {
+    w0 = int8s_to_floats(q + i * 32) * d;
+    w1 = int8s_to_floats(q + i * 32 + 16) * d;
+  }
+}
+
 template <int R, bool Q4>
 static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
                                  int64_t K, int64_t N) {
@@ -121,17 +137,9 @@ static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __res
     v16f d, m = v16f{};
     __builtin_memcpy(&d, rec, 64);
     if (Q4) __builtin_memcpy(&m, rec + 64, 64);
-    const uint8_t* q = rec + (Q4 ? 128 : 64);
     for (int i = 0; i < 16; ++i) {
       v16f w0, w1;
-      if (Q4) {
-        nibbles_to_floats(q + i * 16, w0, w1);
-        w0 = w0 * d + m;
-        w1 = w1 * d + m;
-      } else {
-        w0 = int8s_to_floats(q + i * 32) * d;
-        w1 = int8s_to_floats(q + i * 32 + 16) * d;
-      }
+      dequant_pair<Q4>(rec, i, d, m, w0, w1);
       const int64_t k = k0 + 2 * i;
       for (int r = 0; r < R; ++r) {
         acc0[r] += w0 * x[r * K + k];
@@ -176,23 +184,43 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   float* yp = y.data_ptr<float>();
   const int64_t panel_bytes = (K / 32) * REC;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+    if (M <= 8) {  // rebuild each weight in registers, use it for every row
+      for (int64_t p = begin; p < end; ++p)
+        rows_x_qpanel_any<Q4>(M, xp, wp + p * panel_bytes, yp + p * 16, K, N);
+      return;
+    }
+    // more rows: rebuild the panel once into float32 (K x 64 B, in L2) and run the float32 kernel over it, so
+    // the rebuild is not repeated per chunk of 8 rows; the sums are the float32 kernel's own, so still identical
+    std::vector<float> panel(K * 16);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* rec = wp + p * panel_bytes;
+      for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
+        v16f d, m = v16f{};
+        __builtin_memcpy(&d, rec, 64);
+        if (Q4) __builtin_memcpy(&m, rec + 64, 64);
+        for (int i = 0; i < 16; ++i) {
+          v16f w0, w1;
+          dequant_pair<Q4>(rec, i, d, m, w0, w1);
+          __builtin_memcpy(panel.data() + (k0 + 2 * i) * 16, &w0, 64);
+          __builtin_memcpy(panel.data() + (k0 + 2 * i + 1) * 16, &w1, 64);
+        }
+      }
       for (int64_t r0 = 0; r0 < M; r0 += 8)
-        rows_x_qpanel_any<Q4>(std::min<int64_t>(8, M - r0), xp + r0 * K, wp + p * panel_bytes,
-                              yp + r0 * N + p * 16, K, N);
+        rows_x_panel_any(std::min<int64_t>(8, M - r0), xp + r0 * K, panel.data(), yp + r0 * N + p * 16, K, N);
+    }
   });
   return y;
 }
 
 // kernels/decode_ops.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t kv_start,
-                               torch::Tensor kv_slots, int64_t n, double scale);
+void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
+                    torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
-  m.def("decode_attention", &decode_attention, "one token's attention over its paged K/V (float32)");
+  m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
 }

@@ -26,8 +26,6 @@ import torch.nn.functional as F
 from leapdecode.layers import small_gemm, split_kv
 from leapdecode.layers.kv_quant import KVPlane, read_kv_range, read_kv_slots, write_kv
 
-_NO_SLOTS = torch.empty(0, dtype=torch.long)  # decode_attention reads a contiguous run
-
 # New-token count up to which sequences are batched into one padded attention call.
 SMALL_QUERY = 16
 
@@ -69,6 +67,7 @@ class AttentionGroup:
     causal: bool = False  # plain causal self-attention (q_len == kv_len, no cache)
     fold: bool = False  # fold GQA query groups into the query axis
     split: split_kv.SplitPlan | None = None  # long context, few rows: attend chunk by chunk (split_kv.py)
+    seqs: list[SeqAttention] | None = None  # few-row groups: their sequences (for the C++ rows kernel)
 
 
 @dataclass
@@ -76,6 +75,32 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     groups: list[AttentionGroup]
     num_tokens: int
+    _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For the C++ rows kernel (kernels/decode_ops.cpp): every row of the few-row groups not split by
+        split_kv, as (rows [R], offsets [R+1], slots): row ``rows[r]`` sees ``slots[offsets[r]:offsets[r+1]]``,
+        its visible positions in order. Built on first use in a step, then reused by every layer."""
+        if self._rows is None:
+            rows, counts, slots = [], [], []
+            for g in self.groups:
+                if g.seqs is None or g.split is not None:
+                    continue
+                for s in g.seqs:
+                    seq_slots = s.slots()
+                    rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
+                    if s.q_len == 1:
+                        slots.append(seq_slots)
+                        counts.append(torch.tensor([s.ctx_len]))
+                    else:
+                        vis = _visible(s)  # [q_len, ctx_len]: row-major = each row's positions in order
+                        slots.append(seq_slots.expand(s.q_len, s.ctx_len)[vis])
+                        counts.append(vis.sum(1))
+            if not rows:
+                return None
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(counts).cumsum(0)])
+            self._rows = (torch.cat(rows), offsets, torch.cat(slots))
+        return self._rows
 
 
 def _visible(seq: SeqAttention) -> torch.Tensor:
@@ -106,6 +131,7 @@ def build_attention_metadata(
             groups.append(_single_group(part[0], device, fold=True, group_size=group_size))
         else:
             groups.append(_padded_group(part, device, group_size))
+        groups[-1].seqs = part
         if split_kv.use_split(groups[-1]):  # few rows over a long context (see split_kv.py)
             groups[-1].split = split_kv.plan_split(groups[-1], part, part[0].block_size)
     total = sum(s.q_len for s in seqs)
@@ -170,8 +196,9 @@ def paged_attention(
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
-    ``use_kernel``: a batch-1 decode token over a float32 CPU cache attends in one C++ call
-    (kernels/decode_ops.cpp). Returns [T, H, D]."""
+    ``use_kernel``: over a float32 CPU cache, the rows of few-token groups (decode tokens, drafts, tree nodes) attend
+    in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not depend on the batch
+    or on being verified among drafts. Returns [T, H, D]."""
     if not isinstance(k_cache, torch.Tensor) and k_cache.rotation is not None:
         # an int8 cache stores K/V rotated by R (kv_quant.py): q.k = (qR).(kR), so attend in that basis
         rot = k_cache.rotation
@@ -192,15 +219,25 @@ def _paged_attention(
 ) -> torch.Tensor:
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     group = heads // hkv
-    if q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and meta.groups[0].split is None:
-        return _decode_one(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
+    groups = meta.groups
+    kernel_rows = None
+    if (use_kernel and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype == torch.float32
+            and k_cache.device.type == "cpu"):
+        # few-row groups (decode, drafts, trees) in one C++ call, each row alone: bit-identical across batchings
+        kernel_rows = meta.kernel_rows()
+    if kernel_rows is None and q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and groups[0].split is None:
+        return _decode_one(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
-    if len(meta.groups) == 1 and meta.groups[0].q_start == 0 and meta.groups[0].q_len == q.shape[0]:
+    if kernel_rows is not None:
+        out = torch.empty_like(q)
+        small_gemm.attention_rows(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
+        groups = [g for g in groups if g.seqs is None or g.split is not None]
+    elif len(groups) == 1 and groups[0].q_start == 0 and groups[0].q_len == q.shape[0]:
         out = None  # the single group covers the whole batch: write straight into its result
     else:
         out = torch.empty_like(q)
-    for g in meta.groups:
+    for g in groups:
         if g.q_start is not None:
             qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
         else:
@@ -250,7 +287,6 @@ def _decode_one(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    use_kernel: bool = False,
 ) -> torch.Tensor:
     """The batch-1 decode step (one new token, float cache), the case that sets single-stream latency: the same
     computation as the general loop with a third of its tensor calls, since at this size each call costs more than
@@ -259,10 +295,6 @@ def _decode_one(
     hkv, d = k.shape[1], k.shape[2]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if use_kernel and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu":
-        start, slots = (g.kv_start, _NO_SLOTS) if g.kv_start is not None else (0, g.kv_slots)
-        o = small_gemm.decode_attention(q.reshape(-1, d).contiguous(), k_cache, v_cache, start, slots, g.kv_len, scale)
-        return o.view(1, -1, d)
     if g.kv_start is not None:
         kg, vg = k_cache[g.kv_start : g.kv_start + g.kv_len], v_cache[g.kv_start : g.kv_start + g.kv_len]
     else:

@@ -242,9 +242,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def decode_attention(q, k_cache, v_cache, kv_start: int, kv_slots, kv_len: int, scale: float) -> torch.Tensor:
-    """One token's attention, [H, D] -> [H, D], over its paged float32 K/V (kernels/decode_ops.cpp)."""
-    return _ext.decode_attention(q, k_cache, v_cache, kv_start, kv_slots, kv_len, scale)
+def attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale: float, out: torch.Tensor) -> None:
+    """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
+    ``slots[offsets[r]:offsets[r+1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
+    _ext.attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, out)
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
