@@ -80,3 +80,15 @@ def test_parser_lists_all_commands():
     text = build_parser().format_help()
     for cmd in ("generate", "chat", "serve", "bench", "train", "plan"):
         assert cmd in text
+
+
+def test_a_crashing_comparison_system_is_skipped_not_fatal(capsys):
+    """llama.cpp built for CPU features the machine lacks dies with SIGILL; the benchmark must survive it."""
+    import math
+    import os
+
+    from leapdecode.bench.benchmark import run_isolated
+
+    assert run_isolated(math.factorial, 5, what="factorial") == 120
+    assert run_isolated(os.abort, what="llama.cpp") is None
+    assert "llama.cpp crashed" in capsys.readouterr().err

@@ -175,6 +175,22 @@ def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos:
                _median(tpot), token_ids=toks)
 
 
+def run_isolated(fn, *args, what: str):
+    """``fn(*args)`` in a child process: a native crash there (say, an illegal instruction from a llama.cpp build
+    for other CPU features) is reported and skipped instead of losing the whole benchmark run."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
+    except BrokenProcessPool:
+        print(f"{what} crashed (its process died, e.g. an illegal instruction: rebuild it for this CPU); skipping",
+              file=sys.stderr, flush=True)
+        return None
+
+
 def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int]) -> Row | None:
     try:
         from llama_cpp import Llama
@@ -326,7 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "hf" in compare:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
     if "llama.cpp" in compare:
-        r = run_llamacpp(eng.model_path, prompts_ids, args.max_tokens, eos)
+        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, what="llama.cpp")
         if r:
             rows.append(r)
     ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}

@@ -200,7 +200,8 @@ def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward).
     ``packed`` is a float32 [N/16, K, 16] panel set or a uint8 block-quantized one (its record size says which)."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not x.requires_grad and x.shape[0] > 0:
+    if (packed is not None and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and not x.requires_grad
+            and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16: torch's path)
         if packed.dtype == torch.float32:
             y = _ext.small_linear(x.contiguous(), packed)
         elif packed.shape[2] == Q4_RECORD:
