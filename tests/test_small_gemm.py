@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
-from leapdecode.layers.linear import ColumnParallelLinear
+from leapdecode.layers.linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 
 ext = small_gemm.load_kernel()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
@@ -97,6 +97,24 @@ def test_blocks_are_used_only_while_they_reproduce_the_weight() -> None:
     assert small_gemm.packed_formats(opted_out) == {"float32": 1}
     x = torch.randn(3, 64)
     assert torch.equal(exact(x), opted_out(x))
+
+
+@needs_kernel
+def test_a_tied_lm_head_keeps_its_blocks_for_drafter_read_outs() -> None:
+    bq, ref = _gguf_blocks("Q8_0", 64, 96, seed=5)
+    embed = VocabParallelEmbedding(64, 96)
+    embed.weight.data.copy_(ref)
+    embed.block_quantized = bq
+    head = ParallelLMHead(64, 96, tied_to=embed)
+    small_gemm.enable(head)
+    assert small_gemm.packed_formats(head) == {"q8": 1} and embed.block_quantized is bq
+    rows = torch.tensor([3, 60, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])
+    sub = ref.index_select(0, rows)
+    packed = small_gemm.pack_rows(head, rows, sub)
+    assert packed.dtype == torch.uint8  # Q8 records: a quarter of the float32 bytes
+    x = torch.randn(5, 96)
+    assert torch.equal(small_gemm.linear(x, sub, None, packed), ext.small_linear(x, small_gemm.pack(sub)))
+    assert small_gemm.pack_rows(head, rows, sub + 1).dtype == torch.float32  # not the head's rows: panels
 
 
 @needs_kernel

@@ -229,7 +229,9 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
             owner = getattr(mod, "tied_to", None) or mod  # a tied LM head reads the embedding's blocks
             bq = getattr(owner, "block_quantized", None)
             if use_blocks and block_packable(w, bq):
-                mod.packed, owner.block_quantized = bq.pack(), None  # the packed records hold it all
+                mod.packed = bq.pack()
+                if not hasattr(mod, "get_weight"):  # the packed records hold it all; an LM head's blocks stay
+                    owner.block_quantized = None  # for drafters that read out a subset of it (pack_rows)
             else:
                 mod.packed = pack(w)
         n += mod.packed is not None
@@ -247,6 +249,17 @@ def attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale: float, out:
     """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
     ``slots[offsets[r]:offsets[r+1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
     _ext.attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, out)
+
+
+def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """A packed copy of ``weight`` = rows ``rows`` (None = all) of an LM head's weight, for the kernel: from the
+    head's checkpoint blocks when they reproduce it exactly, else float32 panels; None without the kernel."""
+    if load_kernel() is None or not packable(weight):
+        return None
+    bq = getattr(getattr(lm_head, "tied_to", None) or lm_head, "block_quantized", None)
+    if bq is not None and rows is not None:
+        bq = bq.map_parts(lambda t: t.index_select(0, rows.to(t.device)))
+    return bq.pack() if block_packable(weight, bq) else pack(weight)
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import processed_probs, sample_from
@@ -174,7 +173,9 @@ class BlockwiseProposer(HeadsProposer):
         folder = Path(cfg.model) if cfg.model else DEFAULT_HEADS_DIR
         heads, subset, meta = load_heads(folder)
         weight = check_heads_fit(folder, heads, meta, engine, kind="blockwise")
-        return cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
+        proposer = cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
+        proposer.pack_readout(engine)
+        return proposer
 
     # ---------------------------------------------------------------------------------------------- sizing
     def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
@@ -188,7 +189,7 @@ class BlockwiseProposer(HeadsProposer):
     def block(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """[B, d] hidden states -> [B, k] the first k heads' top-1 tokens (offsets 1..k)."""
         z = self.heads(h.to(self.lm_weight.dtype), heads=range(k))  # [B, k, d]
-        top = F.linear(z, self.lm_weight).argmax(dim=-1)
+        top = self.readout(z).argmax(dim=-1)
         return top if self.subset is None else self.subset[top]
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
