@@ -66,3 +66,23 @@ def test_attention_rows_rejects_bad_indices() -> None:
         small_gemm.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):
         small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 0]), torch.tensor([0]), 1.0, out)
+
+
+def test_rope_and_silu_mul_match_torch() -> None:
+    from leapdecode.layers.rotary import RotaryEmbedding, rotate
+
+    g = torch.Generator().manual_seed(7)
+    t, heads, d = 5, 4, 32
+    rope = RotaryEmbedding(d, 256, 10000.0, None).table(torch.tensor([0, 3, 17, 100, 255]), torch.float32)
+    qkv = torch.randn(t, (heads + 2) * d, generator=g)
+    want = rotate(qkv[:, : heads * d].view(t, heads, d), rope)
+    got = qkv.clone()
+    small_gemm.rope_(got, rope[0].view(t, d), rope[1].view(t, d), heads)
+    torch.testing.assert_close(got[:, : heads * d].view(t, heads, d), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, heads * d :], qkv[:, heads * d :])  # the V part is left alone
+    for width in (64, 40):  # whole vectors, and a scalar tail
+        gu = torch.randn(3, 2 * width, generator=g) * 4
+        gate, up = gu.split(width, dim=-1)
+        out = small_gemm.silu_mul(gu)
+        torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+        assert torch.equal(small_gemm.silu_mul(gu[1:2]), out[1:2])

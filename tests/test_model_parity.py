@@ -345,6 +345,11 @@ def test_kernel_rows_are_bit_identical_alone_batched_and_as_drafts(model_pair, n
     batched = _run_schedule(
         *pair.runner(num_blocks=40, block_size=4), [a, b], [[26, 17], [1, 1], [1, 1], [1, 1], [1, 1]]
     )[0]
+    # next to another sequence's prefill chunk a step runs op by op (not the fused C++ layer): still bitwise equal
+    mixed = _run_schedule(
+        *pair.runner(num_blocks=40, block_size=4), [a, b], [[26, 0], [1, 17], [1, 4], [1, 0], [1, 0]]
+    )[0]
     assert torch.equal(chain[26:], alone[26:])
     assert torch.equal(batched[26:], alone[26:])
+    assert torch.equal(mixed[26:], alone[26:])
     _assert_close(alone, pair.hf_logits(a), f"{name} with kernels")

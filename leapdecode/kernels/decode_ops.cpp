@@ -56,6 +56,23 @@ static inline void axpy(float a, const float* __restrict x, float* __restrict y,
   for (; i < d; ++i) y[i] += a * x[i];
 }
 
+// out[0 .. 16C) = sum_j p[j] * V[slots[j]] (row stride ``row``, offset ``off``), summed over j in order
+template <int C>
+static inline void weighted_rows(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+                                 int64_t off, float* out) {
+  v16f acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = v16f{};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row + off;
+    for (int c = 0; c < C; ++c) {
+      v16f x;
+      __builtin_memcpy(&x, vj + 16 * c, 64);
+      acc[c] += x * p[j];
+    }
+  }
+  for (int c = 0; c < C; ++c) __builtin_memcpy(out + 16 * c, &acc[c], 64);
+}
+
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 // e^x for 16 floats (Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial; ~1 ulp), since
@@ -134,12 +151,18 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
     }
     const float inv = 1.f / hsum(acc);
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-    float* og = o + (h * G + g) * D;
-    for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = vp + slots[j] * row + h * D;
-    for (int64_t g = 0; g < G; ++g) axpy(sh[g * np + j], vj, o + (h * G + g) * D, D);
+  for (int64_t g = 0; g < G; ++g) {
+    float* og = o + (h * G + g) * D;
+    const float* pg = sh + g * np;
+    switch (D) {  // the weighted sum of V rows in registers (no store-to-load chain through the output)
+      case 32: weighted_rows<2>(pg, vp, slots, n, row, h * D, og); break;
+      case 64: weighted_rows<4>(pg, vp, slots, n, row, h * D, og); break;
+      case 128: weighted_rows<8>(pg, vp, slots, n, row, h * D, og); break;
+      default:
+        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
+        for (int64_t j = 0; j < n; ++j) axpy(pg[j], vp + slots[j] * row + h * D, og, D);
+    }
   }
 }
 
@@ -179,4 +202,80 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
              outp + t * H * D, buf);
     }
   });
+}
+
+// RoPE in place: each of the first num_heads heads (d wide) of every row of qkv [T, W] becomes
+// x * cos + roll(x, d/2) * sin_signed, with cos / sin_signed [T, d] (the sign of the rotate-half folded into sin).
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "rope_: qkv");
+  const int64_t T = qkv.size(0), W = qkv.size(1), d = cos.size(-1), half = d / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == T * d &&
+                  sin_signed.numel() == T * d && num_heads * d <= W && d % 2 == 0,
+              "rope_: tables must be contiguous [T, d]");
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin_signed.data_ptr<float>();
+  std::vector<float> tmp(d);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* x = xp + t * W + h * d;
+      const float* c = cp + t * d;
+      const float* s = sp + t * d;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = x[i];
+      for (int64_t i = 0; i < d; ++i) x[i] = tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i];
+    }
+}
+
+// silu(gate) * up for gate_up [T, 2I] -> [T, I]; silu(g) = g / (1 + e^-g)
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: contiguous float32 [T, 2I]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gp + t * 2 * I;
+    const float* u = g + I;
+    float* o = op + t * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      v16f gv, uv;
+      __builtin_memcpy(&gv, g + i, 64);
+      __builtin_memcpy(&uv, u + i, 64);
+      v16f r = gv / (1.0f + exp16(v16f{} - gv)) * uv;
+      __builtin_memcpy(o + i, &r, 64);
+    }
+    for (; i < I; ++i) {  // same formula lane by lane (exp16 on a broadcast) so no row depends on its width
+      v16f e = exp16(v16f{} - g[i]);
+      o[i] = g[i] / (1.0f + e[0]) * u[i];
+    }
+  }
+  return out;
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+
+// A whole decoder layer for a step whose rows are all few-token rows (decode, drafts, trees): the same kernels
+// the per-op path calls (so results are bitwise equal to it), minus ~10 Python-level calls per layer.
+// w = [input_norm, qkv_packed, o_packed, post_attention_norm, gate_up_packed, down_packed].
+torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
+                            torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                            int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  TORCH_CHECK(w.size() == 6, "decoder_layer: 6 weights");
+  const int64_t T = x.size(0), d = k_cache.size(2);
+  auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  rope_(qkv, cos, sin_signed, num_heads + num_kv_heads);
+  auto q = qkv.narrow(1, 0, num_heads * d).contiguous().view({T, num_heads, d});
+  k_cache.index_copy_(0, slot_mapping, qkv.narrow(1, num_heads * d, num_kv_heads * d).view({T, num_kv_heads, d}));
+  v_cache.index_copy_(0, slot_mapping,
+                      qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({T, num_kv_heads, d}));
+  auto o = torch::empty_like(q);
+  attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, o);
+  auto h = x + packed_linear(o.view({T, num_heads * d}), w[2]);
+  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
 }

@@ -212,10 +212,22 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+// y = x @ W^T through whichever packed format W has (float32 panels, Q4 or Q8 records)
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
+  if (packed.scalar_type() == torch::kFloat32) return small_linear(x, packed);
+  return packed.size(2) == Q4_RECORD ? quant_linear<true>(x, packed) : quant_linear<false>(x, packed);
+}
+
 // kernels/decode_ops.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out);
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
+                            torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                            int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
@@ -223,4 +235,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
+  m.def("packed_linear", &packed_linear, "y = x @ W^T through W's packed format");
+  m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of each row of a fused QKV");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");
+  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
 }

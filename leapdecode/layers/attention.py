@@ -77,6 +77,11 @@ class AttentionMetadata:
     num_tokens: int
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def all_kernel_rows(self) -> bool:
+        """Every row of the step is a few-token row the C++ rows kernel attends (no prefill chunk, no split)."""
+        rows = self.kernel_rows()
+        return rows is not None and rows[0].numel() == self.num_tokens
+
     def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For the C++ rows kernel (kernels/decode_ops.cpp): every row of the few-row groups not split by
         split_kv, as (rows [R], offsets [R+1], slots): row ``rows[r]`` sees ``slots[offsets[r]:offsets[r+1]]``,

@@ -220,7 +220,7 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
         return 0
     n = 0
     for mod in model.modules():
-        if hasattr(mod, "use_kernel"):  # RMSNorm, Attention: the decode-step ops of kernels/decode_ops.cpp
+        if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (decode_ops.cpp)
             mod.use_kernel = True
         if not hasattr(mod, "packed"):
             continue
@@ -235,6 +235,10 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
             else:
                 mod.packed = pack(w)
         n += mod.packed is not None
+    for mod in model.modules():  # decoder layers run whole in C++ when every projection is packed
+        if hasattr(mod, "use_kernel") and hasattr(mod, "mlp") and hasattr(mod, "self_attn"):
+            linears = (mod.self_attn.qkv_proj, mod.self_attn.o_proj, mod.mlp.gate_up_proj, mod.mlp.down_proj)
+            mod.use_kernel = all(lin.packed is not None for lin in linears) and not mod.self_attn.o_proj.reduce
     return n
 
 
@@ -260,6 +264,21 @@ def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch
     if bq is not None and rows is not None:
         bq = bq.map_parts(lambda t: t.index_select(0, rows.to(t.device)))
     return bq.pack() if block_packable(weight, bq) else pack(weight)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int) -> None:
+    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (decode_ops.cpp)."""
+    _ext.rope_(qkv, cos, sin_signed, num_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (decode_ops.cpp)."""
+    return _ext.silu_mul(gate_up.contiguous())
+
+
+def decoder_layer(*args) -> torch.Tensor:
+    """One decoder layer for few-token rows in one C++ call (see models/llama.py ``DecoderLayer._fused``)."""
+    return _ext.decoder_layer(*args)
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
