@@ -98,6 +98,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.use_kernel = False  # set by small_gemm.enable when every part of the layer has its kernel
+        self._fused_args: tuple | None = None  # the packed weights etc. for _fused, gathered on first use
 
     def forward(self, x, rope, kv, meta) -> torch.Tensor:
         if (self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and isinstance(kv[0], torch.Tensor)
@@ -109,13 +110,15 @@ class DecoderLayer(nn.Module):
     def _fused(self, x, rope, kv, meta) -> torch.Tensor:
         """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
         same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls."""
-        a, m, t = self.self_attn, self.mlp, x.shape[0]
-        w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed, self.post_attention_layernorm.weight,
-             m.gate_up_proj.packed, m.down_proj.packed]
-        return small_gemm.decoder_layer(
-            x, w, a.qkv_proj.bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1], meta.slot_mapping,
-            *meta.kernel_rows(), a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale,
-        )
+        if self._fused_args is None:  # gathered once: nn.Module attribute lookups cost more than the call
+            a, m = self.self_attn, self.mlp
+            w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed,
+                 self.post_attention_layernorm.weight, m.gate_up_proj.packed, m.down_proj.packed]
+            self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
+        w, bias, heads, kv_heads, eps, scale = self._fused_args
+        t = x.shape[0]
+        return small_gemm.decoder_layer(x, w, bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1],
+                                        meta.slot_mapping, *meta.kernel_rows(), heads, kv_heads, eps, scale)
 
 
 class LlamaForCausalLM(nn.Module):
