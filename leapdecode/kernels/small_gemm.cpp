@@ -18,6 +18,24 @@
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel stream
 
+// The one accumulation every kernel here uses (even and odd k in separate sums, added at the end): sharing it is
+// what keeps the block-format kernels bit-identical to the float32 one.
+template <int R>
+static inline void accumulate_pair(v16f* acc0, v16f* acc1, v16f w0, v16f w1, const float* x, int64_t K, int64_t k) {
+  for (int r = 0; r < R; ++r) {
+    acc0[r] += w0 * x[r * K + k];
+    acc1[r] += w1 * x[r * K + k + 1];
+  }
+}
+
+template <int R>
+static inline void store_rows(const v16f* acc0, const v16f* acc1, float* y, int64_t N) {
+  for (int r = 0; r < R; ++r) {
+    v16f s = acc0[r] + acc1[r];
+    __builtin_memcpy(y + r * N, &s, 64);
+  }
+}
+
 template <int R>
 static inline void rows_x_panel(const float* __restrict x, const float* __restrict w, float* __restrict y,
                                 int64_t K, int64_t N) {
@@ -29,15 +47,9 @@ static inline void rows_x_panel(const float* __restrict x, const float* __restri
     v16f w0, w1;
     __builtin_memcpy(&w0, w + k * 16, 64);
     __builtin_memcpy(&w1, w + (k + 1) * 16, 64);
-    for (int r = 0; r < R; ++r) {
-      acc0[r] += w0 * x[r * K + k];
-      acc1[r] += w1 * x[r * K + k + 1];
-    }
+    accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k);
   }
-  for (int r = 0; r < R; ++r) {
-    v16f s = acc0[r] + acc1[r];
-    __builtin_memcpy(y + r * N, &s, 64);
-  }
+  store_rows<R>(acc0, acc1, y, N);
 }
 
 static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float* y, int64_t K, int64_t N) {
@@ -126,12 +138,10 @@ static inline void dequant_pair(const uint8_t* rec, int i, v16f d, v16f m, v16f&
   }
 }
 
-template <int R, bool Q4>
-static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
-                                 int64_t K, int64_t N) {
+// f(k, w0, w1) for every input pair (k, k + 1) of one panel, in k order, with its 16 + 16 rebuilt weights
+template <bool Q4, class F>
+static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
   constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
-  v16f acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16f{};
   for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
     for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + 2 * REC + line);
     v16f d, m = v16f{};
@@ -140,17 +150,18 @@ static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __res
     for (int i = 0; i < 16; ++i) {
       v16f w0, w1;
       dequant_pair<Q4>(rec, i, d, m, w0, w1);
-      const int64_t k = k0 + 2 * i;
-      for (int r = 0; r < R; ++r) {
-        acc0[r] += w0 * x[r * K + k];
-        acc1[r] += w1 * x[r * K + k + 1];
-      }
+      f(k0 + 2 * i, w0, w1);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    v16f s = acc0[r] + acc1[r];
-    __builtin_memcpy(y + r * N, &s, 64);
-  }
+}
+
+template <int R, bool Q4>
+static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
+                                 int64_t K, int64_t N) {
+  v16f acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16f{};
+  for_each_pair<Q4>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
+  store_rows<R>(acc0, acc1, y, N);
 }
 
 template <bool Q4>
@@ -193,18 +204,10 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
     // the rebuild is not repeated per chunk of 8 rows; the sums are the float32 kernel's own, so still identical
     std::vector<float> panel(K * 16);
     for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* rec = wp + p * panel_bytes;
-      for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
-        v16f d, m = v16f{};
-        __builtin_memcpy(&d, rec, 64);
-        if (Q4) __builtin_memcpy(&m, rec + 64, 64);
-        for (int i = 0; i < 16; ++i) {
-          v16f w0, w1;
-          dequant_pair<Q4>(rec, i, d, m, w0, w1);
-          __builtin_memcpy(panel.data() + (k0 + 2 * i) * 16, &w0, 64);
-          __builtin_memcpy(panel.data() + (k0 + 2 * i + 1) * 16, &w1, 64);
-        }
-      }
+      for_each_pair<Q4>(wp + p * panel_bytes, K, [&](int64_t k, v16f w0, v16f w1) {
+        __builtin_memcpy(panel.data() + k * 16, &w0, 64);
+        __builtin_memcpy(panel.data() + (k + 1) * 16, &w1, 64);
+      });
       for (int64_t r0 = 0; r0 < M; r0 += 8)
         rows_x_panel_any(std::min<int64_t>(8, M - r0), xp + r0 * K, panel.data(), yp + r0 * N + p * 16, K, N);
     }
