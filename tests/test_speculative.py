@@ -238,3 +238,18 @@ def test_auto_is_lossless_and_picks_among_methods(tiny_model_dir, plain_tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
     assert_no_leaks(spec)
+
+
+def test_measured_speculation_overhead_enters_the_decision(tiny_model_dir, plain_tiny):
+    """The step-cost model times target forwards only; the speculator also measures its own proposing and
+    verifying time per drafting sequence. When that overhead exceeds anything drafting could save, the engine
+    decodes plainly (and still losslessly)."""
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": True})
+    sp = spec.engine.speculator
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec.generate(PROMPTS, params, use_tqdm=False)
+    assert sp.verify_s > 0 and sp.propose_s["ngram"] > 0  # measured while drafting on repetitive prompts
+    sp.verify_s = 10.0  # pretend verifying costs 10 s per sequence
+    outs = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert all(o.metrics.num_draft_tokens == 0 and o.metrics.mean_accepted_tokens == 1.0 for o in outs)
+    assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)

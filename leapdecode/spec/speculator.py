@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from leapdecode.config import SpeculativeConfig
@@ -26,6 +28,8 @@ from leapdecode.spec.tree import (
     verify_tree_typical,
 )
 from leapdecode.spec.verify import verify_greedy, verify_sampling
+
+OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
 
 
 def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> Proposer:
@@ -93,6 +97,11 @@ class Speculator:
         self.proposer = next(iter(self.proposers.values()))  # the proposer of single-method configs
         self.gamma = DynamicGamma(cfg)
         self.cost: StepCostModel | None = None
+        # measured Python-side cost of speculating, per drafting sequence and step (EMA, seconds): proposing
+        # (per method) and verifying. The step-cost model only times target forwards; at ~10 ms per step these
+        # ~0.5-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
+        self.propose_s: dict[str, float] = {}
+        self.verify_s = 0.0
         # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
         if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
@@ -147,7 +156,8 @@ class Speculator:
                     best_name, best_k = name, k
                     break
                 rate = exp_tokens if self.cost is None else \
-                    (batch - 1 + exp_tokens) / (self.cost(batch + k) + prop.step_cost(batch, k))
+                    (batch - 1 + exp_tokens) / (self.cost(batch + k) + prop.step_cost(batch, k)
+                                                + self.overhead(name, prop, batch))
                 if rate > best_rate:
                     best_name, best_k, best_rate = name, k, rate
                 continue
@@ -162,12 +172,22 @@ class Speculator:
                     # repetitive (or copies from its input) gets to try again
                     st.acceptance_ema += 0.05 * (PRIOR_ACCEPTANCE - st.acceptance_ema)
                     continue
-                t = self.cost(batch + k) + prop.step_cost(batch, k)
+                t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
                 rate = (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
             if k > 0 and rate > best_rate:
                 best_name, best_k, best_rate = name, k, rate
         seq.spec_state["method"] = best_name
         return best_k
+
+    def overhead(self, name: str, prop: Proposer, batch: int) -> float:
+        """Measured seconds a drafting sequence adds to a step beyond the target forward: verification, plus
+        proposing where the drafter has no modelled step cost of its own (prompt lookup)."""
+        own = prop.step_cost(batch, 1) > 0  # draft models, heads: already in the rate through step_cost
+        return self.verify_s + (0.0 if own else self.propose_s.get(name, 0.0))
+
+    @staticmethod
+    def _ema(old: float, new: float) -> float:
+        return new if old == 0.0 else old + OVERHEAD_EMA * (new - old)
 
     # ------------------------------------------------------------------------------------------- actions
     def propose(self, scheduled) -> None:
@@ -178,7 +198,9 @@ class Speculator:
             if name not in self.proposers:
                 continue
             seqs = [s.seq for s in group]
+            t0 = time.perf_counter()
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
+            self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (time.perf_counter() - t0) / len(seqs))
             for seq, prop in zip(seqs, props):
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
@@ -203,6 +225,12 @@ class Speculator:
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
         """Emitted tokens and the number of drafts accepted, from the target logits at the k+1 positions."""
+        t0 = time.perf_counter()
+        out = self._verify(seq, res)
+        self.verify_s = self._ema(self.verify_s, time.perf_counter() - t0)
+        return out
+
+    def _verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
         parents = seq.spec_state.get("tree_parents")
         if parents is not None:
             return self._verify_tree(seq, res, parents)
