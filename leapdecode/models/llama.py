@@ -52,7 +52,7 @@ class Attention(nn.Module):
             bias=cfg.attention_bias,
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
-        self.use_kernel = False  # set by small_gemm.enable: batch-1 decode attention in C++
+        self.use_kernel = False  # set by small_gemm.enable: C++ RoPE and attention for few-token rows
 
     def forward(
         self,
@@ -117,7 +117,7 @@ class DecoderLayer(nn.Module):
             self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
         w, bias, heads, kv_heads, eps, scale = self._fused_args
         t = x.shape[0]
-        return small_gemm.decoder_layer(x, w, bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1],
+        return small_gemm.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1],
                                         meta.slot_mapping, *meta.kernel_rows(), heads, kv_heads, eps, scale)
 
 
