@@ -112,6 +112,29 @@ static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
 static inline v16f int8s_to_floats(const uint8_t* p) {
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+// the same conversions as two 8-lane halves (most desktop CPUs have AVX2 but not AVX-512)
+static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), l1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+  const __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  __builtin_memcpy(&lo, &l0, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&lo) + 32, &l1, 32);
+  __builtin_memcpy(&hi, &h0, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&hi) + 32, &h1, 32);
+}
+static inline v16f int8s_to_floats(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  v16f v;
+  __builtin_memcpy(&v, &f0, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&v) + 32, &f1, 32);
+  return v;
+}
 #else  // portable (slow) fallback: GCC turns byte-vector conversions into scalar code anyway
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
   for (int j = 0; j < 16; ++j) lo[j] = float(p[j] & 15), hi[j] = float(p[j] >> 4);

@@ -73,7 +73,7 @@ def load_kernel(required: bool = False):
             _ext = load(
                 name=name,
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-Wno-psabi"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
