@@ -310,10 +310,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_prompt_tokens:
         prompts_ids = [ids[-args.max_prompt_tokens:] for ids in prompts_ids]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    # warm-up: one full-length request, so the first measured row does not pay for first-touch page faults of
-    # the KV pool and the allocator's growth (an 8-token warm-up left the first row ~20% slow)
-    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
+    # the bandwidth probe streams 512 MB, which evicts the Q4 weights (112 MB for SmolLM2) from a large L3: probe
+    # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
+    # caches, first-touch page faults of the KV pool or the allocator's growth
     bw = measure_bandwidth_gbps(eng.device)
+    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
     wbytes = weight_bytes_per_step(eng.model)
     header = [
         f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
