@@ -255,8 +255,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);  // kernels/small_gemm.cpp
 
 // A whole decoder layer for a step whose rows are all few-token rows (decode, drafts, trees): the same kernels
 // the per-op path calls (so results are bitwise equal to it), minus ~10 Python-level calls per layer.

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-MODES = ("auto", "packed", "packed-float32", "torch")
 Q4_RECORD, Q8_RECORD = 384, 576  # bytes per 16 rows x 32 inputs (kernels/small_gemm.cpp)
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -202,12 +201,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     ``packed`` is a float32 [N/16, K, 16] panel set or a uint8 block-quantized one (its record size says which)."""
     if (packed is not None and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and not x.requires_grad
             and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16: torch's path)
-        if packed.dtype == torch.float32:
-            y = _ext.small_linear(x.contiguous(), packed)
-        elif packed.shape[2] == Q4_RECORD:
-            y = _ext.q4_linear(x.contiguous(), packed)
-        else:
-            y = _ext.q8_linear(x.contiguous(), packed)
+        y = _ext.packed_linear(x.contiguous(), packed)  # dispatches on the format, as the fused layer does
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
