@@ -106,3 +106,16 @@ def assert_no_leaks(llm) -> None:
     assert not llm.engine.scheduler.has_unfinished()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def save_random_heads(folder: Path, offsets, seed: int, first_head_seed: int) -> Path:
+    """Untrained heads for the tiny models, with large random weights so their candidates are arbitrary tokens,
+    saved as a heads artefact in ``folder`` (shared by the Medusa and blockwise tests)."""
+    from leapdecode.spec.medusa import MedusaHeads, save_heads
+
+    heads = MedusaHeads(TINY_DEFAULTS["hidden_size"], offsets)
+    heads.init_weights(seed=seed, std=0.5)
+    with torch.no_grad():
+        heads.weight[0].normal_(0, 0.5, generator=torch.Generator().manual_seed(first_head_seed))
+    save_heads(folder, heads, None, {"vocab_size": TINY_DEFAULTS["vocab_size"]})
+    return folder

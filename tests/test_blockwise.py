@@ -27,7 +27,7 @@ from leapdecode.train.blockwise import (
 )
 
 from .conftest import SPEC_PROMPTS as PROMPTS
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, save_random_heads
 
 VOCAB = 49152
 SHAPES = [(1, 1), (7, 1), (8, 4), (10, 4), (13, 5), (16, 16), (5, 8), (23, 3)]  # incl. ragged last blocks
@@ -153,13 +153,7 @@ def plain(tiny_model_dir):
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory) -> Path:
     """Four random one-per-offset heads (large weights, so their chains are arbitrary tokens)."""
-    heads = MedusaHeads(64, [1, 2, 3, 4])
-    heads.init_weights(seed=5, std=0.5)
-    with torch.no_grad():
-        heads.weight[0].normal_(0, 0.5, generator=torch.Generator().manual_seed(11))
-    d = tmp_path_factory.mktemp("bw_heads")
-    save_heads(d, heads, None, {"vocab_size": VOCAB})
-    return d
+    return save_random_heads(tmp_path_factory.mktemp("bw_heads"), [1, 2, 3, 4], seed=5, first_head_seed=11)
 
 
 def _spec(model: Path, **kw) -> dict:

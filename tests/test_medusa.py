@@ -39,7 +39,7 @@ from leapdecode.train.medusa import (
 )
 
 from .conftest import SPEC_PROMPTS as PROMPTS
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, save_random_heads
 
 VOCAB = 49152
 
@@ -56,13 +56,7 @@ def plain(tiny_model_dir):
 @pytest.fixture(scope="module")
 def random_heads(tmp_path_factory) -> Path:
     """Untrained pyramid heads with large random weights, so their candidates are arbitrary."""
-    heads = MedusaHeads(64, PYRAMID)
-    heads.init_weights(seed=3, std=0.5)
-    with torch.no_grad():
-        heads.weight[0].normal_(0, 0.5, generator=torch.Generator().manual_seed(9))
-    d = tmp_path_factory.mktemp("heads")
-    save_heads(d, heads, None, {"vocab_size": VOCAB})
-    return d
+    return save_random_heads(tmp_path_factory.mktemp("heads"), PYRAMID, seed=3, first_head_seed=9)
 
 
 def _ids(outs) -> list[list[int]]:
