@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.server.api_server import TextDeltas, add_cli, build_app, make_server
+from leapdecode.server.api_server import DEFAULT_MAX_REQUEST_BYTES, TextDeltas, add_cli, build_app, make_server
 from leapdecode.server.async_engine import AsyncEngine
 from tests.conftest import assert_no_leaks
 
@@ -175,10 +175,13 @@ def test_serve_cli_arguments() -> None:
         None,
         None,
     )
+    assert args.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 8 * 1024 * 1024
     args = parser.parse_args(
         ["serve", "--port", "0", "--max-queue", "4", "--speculative-config", '{"method": "ngram"}']
+        + ["--max-request-bytes", "1000"]
     )
     assert (args.port, args.max_queue, args.speculative_config) == (0, 4, {"method": "ngram"})
+    assert args.max_request_bytes == 1000
     assert callable(args.func)
 
 
@@ -395,10 +398,27 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    # only an assistant turn may lack content (OpenAI answers these with 400 too)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, CHAT[1]]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [CHAT[1], {"role": "assistant"}, {"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": -0.5}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, 400, "temperature"),  # OpenAI's cap is 2
+    # float fields take JSON numbers only: no numeric strings, no booleans
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": True}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": "0.5"}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": True}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_p": "0.1"}, 400, "min_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": True}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": "0"}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": False}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "1"}, 400, "temperature"),
     (
         "/v1/chat/completions",
         '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
@@ -464,10 +484,99 @@ def test_extreme_but_valid_sampling_values_are_served(server: str) -> None:
             {"temperature": 1.0, "top_p": 1e-300},
             {"temperature": 1e-5, "repetition_penalty": 0.01},
             {"temperature": 2.0, "top_k": 1, "min_p": 1.0, "seed": 2**64 - 1},
+            # JSON integers are numbers: strict float fields must still take them
+            {"temperature": 0, "top_p": 1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0},
+            {"temperature": 2, "frequency_penalty": 0},
         ):
             r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extra})
             assert r.status_code == 200, (extra, r.text)
             assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_assistant_turn_may_omit_content(server: str) -> None:
+    # OpenAI allows a content-less assistant turn (it carried tool calls); the template renders it as empty
+    with httpx.Client(base_url=server, trust_env=False, timeout=60) as http:
+        for assistant in (
+            {"role": "assistant", "content": None},
+            {"role": "assistant"},
+            {"role": "assistant", "content": ""},
+        ):
+            messages = [CHAT[1], assistant, {"role": "user", "content": [{"type": "text", "text": "And?"}]}]
+            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, (assistant, r.text)
+            assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_tokenization_runs_off_the_event_loop(server: str, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one request is being tokenized (here: held inside the tokenizer), the server answers others: a long
+    prompt takes about a second per 2 MB to tokenize, and on the event loop it would stall every stream."""
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def held(real: Any) -> Any:
+        def tokenize(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(30)
+            return real(*args, **kwargs)
+
+        return tokenize
+
+    monkeypatch.setattr(llm, "apply_chat_template", held(llm.apply_chat_template))
+    monkeypatch.setattr(llm, "_tokenize", held(llm._tokenize))
+    for path, body in (
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}),
+    ):
+        entered.clear()
+        release.clear()
+        answers: list[httpx.Response] = []
+        worker = threading.Thread(
+            target=lambda p=path, b=body, out=answers: out.append(
+                httpx.post(server + p, json=b, trust_env=False, timeout=60)
+            )
+        )
+        worker.start()
+        try:
+            assert entered.wait(30), path
+            # the event loop is free: other requests, streams included, go on while the tokenizer works
+            assert httpx.get(server + "/health", trust_env=False, timeout=5).status_code == 200, path
+            stream = httpx.post(
+                server + "/v1/completions",
+                json={"prompt": [1, 2, 3], "max_tokens": 2, "stream": True},
+                trust_env=False,
+                timeout=5,
+            )
+            assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n"), path
+        finally:
+            release.set()
+            worker.join(60)
+        assert answers and answers[0].status_code == 200, (path, answers)
+    assert len(threads) == 2 and "uvicorn-test" not in threads, threads
+
+
+def test_request_body_limit_answers_413(server: str) -> None:
+    big = json.dumps({"prompt": "word " * (DEFAULT_MAX_REQUEST_BYTES // 5 + 10), "max_tokens": 4}).encode()
+    assert len(big) > DEFAULT_MAX_REQUEST_BYTES
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the server must count what it reads
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    for content in (big, chunked()):
+        with httpx.Client(base_url=server, trust_env=False, timeout=60) as http:
+            r = http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "request_too_large", err
+        assert str(DEFAULT_MAX_REQUEST_BYTES) in err["message"]
+    # under the limit a long body is read and judged on its content (here: too long for the context)
+    r = httpx.post(
+        server + "/v1/completions", json={"prompt": "word " * 200_000}, trust_env=False, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        build_app(object.__new__(LLM), max_request_bytes=0)
 
 
 def test_engine_failure_fails_only_its_requests(
@@ -505,7 +614,10 @@ def test_nonstreaming_client_disconnect_aborts(server: str) -> None:
 
 
 def test_load_48_streams_some_hang_up(server: str, refs: dict) -> None:
+    # half the hang-ups leave after the opening (role-only) chunk, possibly before their first token; the other
+    # half after their first content chunk, so their sequences are mid-generation with KV blocks allocated
     n_clients, hangups = 48, set(range(0, 48, 4))
+    mid_generation = set(range(0, 48, 8))
     before = scrape(server).get('leapdecode_request_finish_total{reason="abort"}', 0)
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
@@ -519,10 +631,13 @@ def test_load_48_streams_some_hang_up(server: str, refs: dict) -> None:
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            async for _ in stream:
-                break  # hang up after the first chunk
+            seen = ""
+            async for c in stream:
+                seen = c.choices[0].delta.content or ""
+                if i not in mid_generation or seen:
+                    break  # hang up after the first chunk, or after the first one carrying text
             await stream.close()
-            return None
+            return seen if i in mid_generation else None
         stream = await client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": topic}],
@@ -541,7 +656,9 @@ def test_load_48_streams_some_hang_up(server: str, refs: dict) -> None:
 
     results = asyncio.run(main())
     for i, text in enumerate(results):
-        if i not in hangups:
+        if i in mid_generation:
+            assert text, f"client {i} hung up before any text was generated"
+        elif i not in hangups:
             assert text == refs["load"][LOAD_TOPICS[i % len(LOAD_TOPICS)]], i
     m = wait_for_metric(server, "leapdecode_kv_blocks_in_use", 0)
     assert m["leapdecode_queue_length"] == 0

@@ -8,7 +8,9 @@ Invariants
 ----------
 * Bad input never reaches the engine loop as an exception and never yields a 5xx: it gets a 4xx and
   an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a full queue answers 503 with
-  ``Retry-After``. A 500 means a server bug.
+  ``Retry-After``. A 500 means a server bug. A body over ``max_request_bytes`` gets a 413 before it is parsed.
+* The event loop never tokenizes: tokenization (about a second per 2 MB of prompt) runs in a worker thread,
+  so a long prompt does not stall the other streams.
 * A client that goes away is aborted at once (streaming or not); the engine thread frees its KV blocks.
 * Streamed deltas concatenate to exactly the non-streamed text: a delta never ends in an incomplete UTF-8
   character (``'\\ufffd'``) and, while stop strings are active, the last ``len(longest stop) - 1`` characters
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("leapdecode.server")
 
 DEFAULT_MAX_QUEUE = 256
+# far above any prompt the context can hold (1 token is ~4 bytes of text), far below what hurts memory
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MODEL_ALIAS = "default"
 RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -197,10 +201,13 @@ class _StatusCounter:
 
 
 def build_app(
-    llm_or_engine: LLM | LLMEngine, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE
+    llm_or_engine: LLM | LLMEngine,
+    model_name: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine``. The engine thread starts and stops with the app's lifespan,
-    so while the app runs, nothing else may call the engine."""
+    so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -218,6 +225,8 @@ def build_app(
     )
     from leapdecode.server.metrics import ServerMetrics
 
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     llm = _as_llm(llm_or_engine)
     engine = llm.engine
     name = model_name or default_model_name(engine)
@@ -279,8 +288,31 @@ def build_app(
         param = str(first_loc[0]) if first_loc else None
         return P.APIError("invalid request: " + "; ".join(parts), param=param)
 
+    def too_large() -> P.APIError:
+        return P.APIError(
+            f"the request body is larger than the server's limit of {max_request_bytes} bytes",
+            status=413,
+            code="request_too_large",
+        )
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit: from ``Content-Length`` before
+        reading anything, else (chunked upload) once the bytes read so far pass it, so nobody can make the
+        server buffer an unbounded body."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_large()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -490,7 +522,8 @@ def build_app(
         check_model(req.model)
         req.check_supported()
         try:
-            tokens = llm.apply_chat_template(req.conversation())
+            # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
+            tokens = await asyncio.to_thread(llm.apply_chat_template, req.conversation())
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
             raise P.APIError(f"could not apply the chat template: {e}", param="messages") from None
         params = sampling_params(req, len(tokens), "messages")
@@ -539,7 +572,7 @@ def build_app(
         if isinstance(req.prompt, str):
             prompt_text = req.prompt
             try:
-                tokens, _ = llm._tokenize(req.prompt)
+                tokens, _ = await asyncio.to_thread(llm._tokenize, req.prompt)  # off the event loop, as above
             except Exception as e:
                 raise P.APIError(f"could not tokenize the prompt: {e}", param="prompt") from None
         else:
@@ -620,6 +653,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     kwargs: dict[str, Any] = {}
@@ -634,7 +669,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         **kwargs,
     )
-    app = build_app(llm, model_name=args.served_model_name, max_queue=args.max_queue)
+    app = build_app(
+        llm, model_name=args.served_model_name, max_queue=args.max_queue, max_request_bytes=args.max_request_bytes
+    )
     name = app.state.model_name
 
     def ready(url: str) -> None:
@@ -672,6 +709,12 @@ def add_cli(sub: Any) -> None:
         default=DEFAULT_MAX_QUEUE,
         help="requests allowed to wait for their first token before new ones get 503 + Retry-After "
         f"(default: {DEFAULT_MAX_QUEUE})",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="name in /v1/models (default: the model folder's name)"

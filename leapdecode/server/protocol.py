@@ -2,7 +2,9 @@
 
 Request models are *lenient about unknown fields* (ignored: OpenAI clients send many optional ones) but
 *strict about the fields they know*: a wrong type or an out-of-range value fails validation, which the server
-turns into a 400 with an OpenAI-style error body. Fields the engine cannot honour (``n > 1``, ``logprobs``,
+turns into a 400 with an OpenAI-style error body. Number fields take JSON numbers only (``"0.5"`` or ``true`` for
+``temperature`` is a 400; ``0`` and ``1`` are fine), ``temperature`` is capped at 2 as in OpenAI's API, and every
+message except an assistant's must have content. Fields the engine cannot honour (``n > 1``, ``logprobs``,
 ``echo``, non-zero presence/frequency penalties, ...) are rejected explicitly rather than silently ignored.
 
 Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-decoding counters
@@ -15,7 +17,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from leapdecode.sampling_params import SamplingParams
 
@@ -65,6 +77,7 @@ class APIError(Exception):
 # ----------------------------------------------------------------------------------------------- requests
 
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 2.0  # OpenAI's cap; the engine would take more, but clients must not depend on that
 MIN_TOP_P = 1e-6
 
 
@@ -75,26 +88,29 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by chat and text completions. Ranges match ``SamplingParams``."""
+    """Fields shared by chat and text completions. Ranges match ``SamplingParams`` (``temperature`` also OpenAI's).
+
+    Float fields are ``StrictFloat``: a plain ``float`` would coerce ``"0.5"`` and ``true``, hiding client bugs;
+    strict mode still takes JSON integers (``"temperature": 0``)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     n: StrictInt | None = Field(default=None, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
     # extensions (vLLM names)
     top_k: StrictInt | None = None
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, ge=0.01, le=100.0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     # leapdecode extension: ``false`` opts this request out of speculative decoding
@@ -145,6 +161,15 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # as in OpenAI's API: only an assistant turn may omit its content (it had tool calls instead); a user
+        # turn without content would otherwise reach the template as "" and be answered as if it said nothing
+        if self.role != "assistant" and (self.content is None or self.content == []):
+            got = "no content" if self.content is None else "an empty content list"
+            raise ValueError(f"a {self.role!r} message needs content (a string or a non-empty list), got {got}")
+        return self
 
     def text(self) -> str:
         if self.content is None:
