@@ -86,6 +86,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.05
     # KV storage: "auto" = the model dtype; "int8" quantizes on write (3.9x smaller than float32; kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # int8 only: fit the keys' per-channel shift and smoothing on a few built-in texts at start-up (~1 s;
+    # engine/kv_calibration.py); False keeps the rotation and grouped scales alone
+    kv_calibration: bool = True
     # host-memory KV tier for preempted sequences (0 = off: preemption recomputes); swap_path backs it by a file
     swap_space_gb: float = 0.0
     swap_path: str | None = None
@@ -123,6 +126,9 @@ class EngineConfig:
         _check(
             self.kv_cache_dtype in kv_choices,
             f"kv_cache_dtype must be one of {kv_choices}, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            isinstance(self.kv_calibration, bool), f"kv_calibration must be True or False, got {self.kv_calibration!r}"
         )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(

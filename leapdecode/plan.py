@@ -4,10 +4,11 @@ Answers "will it fit?" before anything is loaded: only the model's config is rea
 ``config.json`` is enough, or a ``.gguf`` header), so it works for models far bigger than this machine.
 
 The KV numbers are the engine's own: the cache allocates whole blocks of ``block_size`` tokens per sequence,
-and an int8 cache also stores one float16 scale per token per KV head (see :mod:`leapdecode.layers.kv_quant`),
-so the per-token cost here is exactly what ``LLM(kv_cache_dtype=...)`` allocates. Weights are counted as
-``num_params * bytes(weight_dtype)``: the engine dequantizes GGUF weights to its compute dtype, so a Q4 file
-still costs float bytes in memory. Activations, the sampler and the Python runtime are not counted.
+and an int8 cache also stores a float16 scale per 16 channels per token per KV head (see
+:mod:`leapdecode.layers.kv_quant`), so the per-token cost here is exactly what ``LLM(kv_cache_dtype=...)``
+allocates. Weights are counted as ``num_params * bytes(weight_dtype)``: the engine dequantizes GGUF weights to
+its compute dtype, so a Q4 file still costs float bytes in memory. Activations, the sampler and the Python
+runtime are not counted.
 """
 
 from __future__ import annotations

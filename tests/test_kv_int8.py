@@ -32,13 +32,15 @@ def test_round_trip_error_bound():
     x = torch.randn(500, 3, 64) * torch.logspace(-3, 3, 500).view(-1, 1, 1)  # six decades of magnitude
     x[7, 1, 5] = 1e4  # an outlier channel
     q, s = quantize(x)
-    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == x.shape[:-1]
+    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (*x.shape[:-1], 4)  # 16 channels each
     y = dequantize(q, s, torch.float32)
-    err = (x - y).abs()
-    # symmetric absmax: every element is within half a quantization step of its row's scale
+    err = (x - y).abs().view(500, 3, 4, 16)
+    # symmetric absmax: every element is within half a quantization step of its group's scale
     assert (err <= s.float().unsqueeze(-1) * 0.5 * (1 + 1e-3) + 1e-12).all()
-    rel = err.amax(-1) / x.abs().amax(-1)
-    assert rel.max() <= 0.5 / 127 * (1 + 2e-3)  # <= 0.4% of the row's absmax
+    rel = err.amax(-1) / x.view(500, 3, 4, 16).abs().amax(-1)
+    assert rel.max() <= 0.5 / 127 * (1 + 2e-3)  # <= 0.4% of the group's absmax
+    # the outlier only coarsens its own group: the row's other 48 channels keep their fine steps
+    assert s[7, 1, 0] > 50 * s[7, 1, 1:].float().max()
     assert q.abs().max() <= 127
 
 
@@ -63,8 +65,8 @@ def test_rotation_spreads_an_outlier_channel():
     x = torch.randn(256, 1, 64)
     x[..., 3] *= 30
     r = rotation_matrix(64)
-    plain = QuantizedKV(torch.zeros(256, 1, 64, dtype=torch.int8), torch.zeros(256, 1, dtype=torch.float16))
-    rotated = QuantizedKV(torch.zeros(256, 1, 64, dtype=torch.int8), torch.zeros(256, 1, dtype=torch.float16), r)
+    plain = QuantizedKV(torch.zeros(256, 1, 64, dtype=torch.int8), torch.zeros(256, 1, 4, dtype=torch.float16))
+    rotated = QuantizedKV(torch.zeros(256, 1, 64, dtype=torch.int8), torch.zeros(256, 1, 4, dtype=torch.float16), r)
     slots = torch.arange(256)
     plain.write(slots, x)
     rotated.write(slots, x)
@@ -76,16 +78,16 @@ def test_rotation_spreads_an_outlier_channel():
 @pytest.mark.parametrize("rotate", [False, True])
 def test_plane_write_read(rotate):
     data = torch.zeros(64, 2, 16, dtype=torch.int8)
-    scale = torch.zeros(64, 2, dtype=torch.float16)
+    scale = torch.zeros(64, 2, 1, dtype=torch.float16)
     plane = QuantizedKV(data, scale, rotation_matrix(16) if rotate else None)
     x = torch.randn(5, 2, 16)
     slots = torch.tensor([3, 9, 10, 11, 40])
     plane.write(slots, x)
     got = plane.read_slots(slots, torch.float32)
     # per element at most half a step in the stored basis; a rotation preserves the L2 norm of the error
-    step = scale.index_select(0, slots).float().unsqueeze(-1)
+    step = scale.index_select(0, slots).float().squeeze(-1)
     err = (plane.unrotate(got) - x).norm(dim=-1)
-    assert (err <= (step.squeeze(-1) * 0.5 * 16**0.5) * (1 + 1e-3) + 1e-6).all()
+    assert (err <= (step * 0.5 * 16**0.5) * (1 + 1e-3) + 1e-6).all()
     torch.testing.assert_close(plane.read_range(9, 3, torch.float32), got[1:4])
     plane.copy_slots(torch.tensor([3]), torch.tensor([60]))
     torch.testing.assert_close(plane.read_range(60, 1, torch.float32), got[:1])
@@ -95,13 +97,13 @@ def test_plane_write_read(rotate):
 def test_pool_layout_and_bytes():
     f32 = KVCache(SMOL, 4, 16, torch.float32, torch.device("cpu"))
     i8 = KVCache(SMOL, 4, 16, torch.int8, torch.device("cpu"))
-    assert i8.pool.dtype == torch.int8 and i8.scales.shape == (30, 2, 64, 3)
+    assert i8.pool.dtype == torch.int8 and i8.scales.shape == (30, 2, 64, 3, 4)
     assert isinstance(i8.layers[0][0], QuantizedKV) and isinstance(f32.layers[0][0], torch.Tensor)
     assert i8.layers[0][0].rotation is i8.layers[29][1].rotation is i8.rotation  # one matrix for the cache
     assert i8.nbytes == 4 * KVCache.bytes_per_block(SMOL, 16, torch.int8)
     per_token = i8.nbytes / 64
-    assert per_token == kv_bytes_per_token(30, 3, 64, torch.int8) == 30 * 3 * 2 * (64 + 2)  # what `plan` prints
-    assert f32.nbytes / i8.nbytes >= 3.5  # 3.88x
+    assert per_token == kv_bytes_per_token(30, 3, 64, torch.int8) == 30 * 3 * 2 * (64 + 4 * 2)  # what `plan` prints
+    assert f32.nbytes / i8.nbytes >= 3.5  # 3.56x
     # scales move with the values
     i8.layers[2][1].write(torch.tensor([5]), torch.randn(1, 3, 64))
     i8.copy_slots(torch.tensor([5]), torch.tensor([33]))
@@ -118,12 +120,13 @@ def test_config_validation():
     assert resolve_kv_dtype("int8", torch.float32) == torch.int8
 
 
-@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("transform", ["none", "rotate", "calibrated"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "fragmented", "batch"])
-def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch, split, layout, rotate):
-    """Attention reads exactly the dequantized cache: compare with plain SDPA over dequantized K/V (rotated
-    back to the model's basis when the cache rotates)."""
+def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch, split, layout, transform):
+    """Attention reads exactly the dequantized cache: compare with plain SDPA over dequantized K/V mapped back to
+    the model's basis (un-rotated; keys also un-smoothed and un-shifted, since a calibrated cache stores
+    ((k - mu) / s) R and relies on softmax ignoring the per-query constant q.mu)."""
     big = 1 << 60
     monkeypatch.setattr(split_kv, "SPLIT_KV_MIN_CONTEXT", 0 if split else big)
     monkeypatch.setattr(split_kv, "SPLIT_KV_MIN_BATCH_TOKENS", 0 if split else big)
@@ -134,9 +137,15 @@ def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch
               "batch": [list(range(0, 24, 2)), list(range(1, 24, 2))]}[layout]  # fmt: skip
     ctxs = [150, 97][: len(tables)]
     slots = 24 * 16
-    rot = rotation_matrix(64) if rotate else None
-    k_plane = QuantizedKV(torch.zeros(slots, 3, 64, dtype=torch.int8), torch.zeros(slots, 3, dtype=torch.float16), rot)
-    v_plane = QuantizedKV(torch.zeros(slots, 3, 64, dtype=torch.int8), torch.zeros(slots, 3, dtype=torch.float16), rot)
+    rot = rotation_matrix(64) if transform != "none" else None
+    shift = smooth = None
+    if transform == "calibrated":
+        shift, smooth = torch.randn(3, 64) * 2, torch.rand(3, 64) + 0.5
+    def plane(*transform: torch.Tensor | None) -> QuantizedKV:
+        return QuantizedKV(torch.zeros(slots, 3, 64, dtype=torch.int8), torch.zeros(slots, 3, 4, dtype=torch.float16),
+                           *transform)  # fmt: skip
+
+    k_plane, v_plane = plane(rot, shift, smooth), plane(rot)
     seqs = [SeqAttention(i, 1, c, t, 16) for i, (t, c) in enumerate(zip(tables, ctxs, strict=True))]
     for s in seqs:  # the context so far, quantized on write
         past = s.slots()[:-1]
@@ -150,6 +159,8 @@ def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch
     got = paged_attention(q, k, v, k_plane, v_plane, meta, 0.125)
     for i, s in enumerate(seqs):
         kk = k_plane.unrotate(k_plane.read_slots(s.slots(), torch.float32))
+        if shift is not None:
+            kk = kk * smooth + shift
         vv = v_plane.unrotate(v_plane.read_slots(s.slots(), torch.float32))
         kk, vv = (t.transpose(0, 1).repeat_interleave(3, 0) for t in (kk, vv))  # [9, ctx, 64]
         want = F.scaled_dot_product_attention(q[i].unsqueeze(1), kk, vv, scale=0.125).squeeze(1)
@@ -235,3 +246,52 @@ def test_engine_int8_with_speculative_decoding(tiny_model_dir):
     outs = _greedy(llm, prompts, max_tokens=24)
     assert all(len(o) == 24 for o in outs)
     assert_no_leaks(llm)
+
+
+def test_key_calibration_fits_shift_and_smoothing_and_shrinks_the_error():
+    """Keys with a large shared per-channel offset and uneven channel spreads: after observing them, the cache
+    stores (k - mu) / s, its mu is their mean, its s has mean 1 and follows the spread, and the attention scores
+    a query sees (up to the per-query constant q.mu, which softmax ignores) are closer to exact."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=64)  # fmt: skip
+    offset = torch.randn(1, 64) * 20
+    spread = torch.logspace(-1, 1, 64)
+    keys = offset + torch.randn(400, 1, 64) * spread
+    q = torch.randn(5, 2, 64)
+
+    def score_error(cache: KVCache) -> float:
+        k_plane = cache.layers[0][0]
+        slots = torch.arange(200, 400)
+        k_plane.write(slots, keys[200:])
+        got = k_plane.query_to_cache_basis(q).float() @ k_plane.read_slots(slots, torch.float32)[:, 0].T.unsqueeze(0)
+        want = q @ keys[200:, 0].T.unsqueeze(0)  # [5, 2, 200]
+        got, want = got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True)  # drop q.mu
+        return (got - want).norm().item() / want.norm().item()
+
+    plain = KVCache(cfg, 32, 16, torch.int8, torch.device("cpu"))
+    cal = KVCache(cfg, 32, 16, torch.int8, torch.device("cpu"))
+    cal.observe_keys(True)
+    cal.layers[0][0].write(torch.arange(200), keys[:200])  # what a calibration pass stores (then frees)
+    assert cal.calibrate_keys() == 200
+    assert cal.layers[0][0].observed is None  # observing stops
+    torch.testing.assert_close(cal.key_shift[0], keys[:200].mean(0), atol=1e-4, rtol=1e-4)
+    s = cal.key_smooth[0, 0]
+    assert abs(s.mean().item() - 1) < 1e-5 and s[-8:].mean() > 5 * s[:8].mean()  # sqrt of a 100x spread range
+    torch.testing.assert_close(plain.key_shift, torch.zeros_like(plain.key_shift))  # identity until calibrated
+    assert score_error(cal) < 0.5 * score_error(plain)
+    with pytest.raises(ValueError, match="int8"):
+        KVCache(cfg, 4, 16, torch.float32, torch.device("cpu")).calibrate_keys()
+
+
+def test_engine_calibrates_at_start_up_and_returns_its_blocks(tiny_model_dir):
+    from leapdecode import LLM
+
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype="int8")
+    kv = llm.engine.kv_cache
+    assert kv.calibrated_tokens > 100 and kv.key_smooth.std() > 0 and kv.key_shift.abs().sum() > 0
+    assert_no_leaks(llm)
+    off = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype="int8", kv_calibration=False)
+    assert off.engine.kv_cache.calibrated_tokens == 0 and bool((off.engine.kv_cache.key_smooth == 1).all())
+    with pytest.raises(ValueError, match="kv_calibration"):
+        EngineConfig(kv_calibration="yes")

@@ -103,9 +103,8 @@ def test_int8_counts_scales(tmp_path, capsys):
     d = config_dir(tmp_path, SMOLLM2_135M)
     run_plan("--model", str(d), "--context", "16", "--kv-dtype", "int8", "--memory-gb", "1", "--json")
     p = json.loads(capsys.readouterr().out)
-    assert (
-        p["kv_bytes_per_token"] == 30 * 3 * (64 + 2) * 2
-    )  # int8 values + one float16 scale per token per head
+    # int8 values + a float16 scale per 16 channels, per token per head
+    assert p["kv_bytes_per_token"] == 30 * 3 * (64 + 4 * 2) * 2
     assert 46_080 / p["kv_bytes_per_token"] >= 3.5
 
 

@@ -5,9 +5,11 @@ One tensor holds every layer's keys and values::
     pool[layer, 0 = K | 1 = V, slot, kv_head, head_dim]      slot = block_id * block_size + offset
 
 An int8 cache (``kv_cache_dtype="int8"``) keeps the same ``pool`` in int8 plus float16
-``scales[layer, 0|1, slot, kv_head]`` (per token per head; :mod:`leapdecode.layers.kv_quant` says why), and
-its ``layers`` entries are :class:`~leapdecode.layers.kv_quant.QuantizedKV` planes that quantize on write and
-dequantize on read. Float caches hand attention plain tensor views, exactly as before.
+``scales[layer, 0|1, slot, kv_head, group]`` (per token, head and 16 channels) and, for the keys,
+``key_shift`` / ``key_smooth[layer, kv_head, head_dim]`` set once by calibration (:mod:`leapdecode.layers.kv_quant`
+says why; :mod:`leapdecode.engine.kv_calibration` runs it). Its ``layers`` entries are
+:class:`~leapdecode.layers.kv_quant.QuantizedKV` planes that quantize on write and dequantize on read. Float
+caches hand attention plain tensor views.
 
 Under tensor parallelism each rank allocates only its own ``kv_heads / tp_size`` heads, so the layout shards along
 the head axis without changing slot arithmetic.
@@ -17,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from leapdecode.layers.kv_quant import SCALE_DTYPE, KVPlane, QuantizedKV, bytes_per_token_head, rotation_matrix
+from leapdecode.layers.kv_quant import (
+    SCALE_DTYPE,
+    KVPlane,
+    QuantizedKV,
+    bytes_per_token_head,
+    rotation_matrix,
+    scale_groups,
+)
 from leapdecode.models.config import ModelConfig
 from leapdecode.parallel import divide, tp_size
 
@@ -48,15 +57,24 @@ class KVCache:
         )
         self.scales: torch.Tensor | None = None
         self.rotation: torch.Tensor | None = None
+        self.key_shift: torch.Tensor | None = None
+        self.key_smooth: torch.Tensor | None = None
+        self.calibrated_tokens = 0
         self.layers: list[tuple[KVPlane, KVPlane]]
         if dtype == torch.int8:
-            self.scales = torch.zeros(
-                cfg.num_hidden_layers, 2, slots, self.num_kv_heads, dtype=SCALE_DTYPE, device=device
-            )
-            self.rotation = rotation_matrix(cfg.head_dim, device)  # shared by all planes (see kv_quant)
+            layers, heads, dim = cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim
+            self.scales = torch.zeros(layers, 2, slots, heads, scale_groups(dim), dtype=SCALE_DTYPE, device=device)
+            self.rotation = rotation_matrix(dim, device)  # shared by all planes (see kv_quant)
+            # identity until calibrate_keys(): mu = 0, s = 1
+            self.key_shift = torch.zeros(layers, heads, dim, device=device)
+            self.key_smooth = torch.ones(layers, heads, dim, device=device)
+            pool, sc, rot = self.pool, self.scales, self.rotation
             self.layers = [
-                tuple(QuantizedKV(self.pool[i, j], self.scales[i, j], self.rotation) for j in (0, 1))  # type: ignore[misc]
-                for i in range(cfg.num_hidden_layers)
+                (
+                    QuantizedKV(pool[i, 0], sc[i, 0], rot, self.key_shift[i], self.key_smooth[i]),
+                    QuantizedKV(pool[i, 1], sc[i, 1], rot),
+                )
+                for i in range(layers)
             ]
         else:
             self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -66,6 +84,47 @@ class KVCache:
         """Bytes actually allocated (values and, for int8, scales)."""
         n = self.pool.numel() * self.pool.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())
+
+    def observe_keys(self, on: bool) -> None:
+        """Start (``True``) or stop accumulating per-channel statistics of every key written (int8 only)."""
+        for k, _ in self.layers:
+            if isinstance(k, QuantizedKV):
+                if on:
+                    k.start_observing()
+                else:
+                    k.observed = None
+
+    def calibrate_keys(self, mode: str = "query-aware") -> int:
+        """Set each layer's key shift mu (the mean key) and smoothing s (mean 1 per head) from the statistics
+        gathered since ``observe_keys(True)``; stops observing. ``mode``: ``"query-aware"`` (default) takes
+        ``s = sqrt(rms(k - mu) / rms(q))`` per channel, which minimises the expected error of the attention
+        scores q.k when the rotation spreads each row's rounding error evenly over its channels (the error is
+        ~ sum_c (q_c s_c)^2 * sum_c (k_c / s_c)^2, smallest, by Cauchy-Schwarz, at s_c^2 ~ rms_k / rms_q);
+        ``"keys"`` takes ``s = sqrt(max |k - mu|)`` (keys alone). Only valid while the cache holds no tokens
+        (stored keys would no longer match the queries' basis). Returns the key rows observed per layer."""
+        if self.key_shift is None or self.key_smooth is None:
+            raise ValueError("only an int8 KV cache has key calibration")
+        if mode not in ("query-aware", "keys"):
+            raise ValueError(f"mode must be 'query-aware' or 'keys', got {mode!r}")
+        n = 0
+        for i, (k, _) in enumerate(self.layers):
+            assert isinstance(k, QuantizedKV)
+            obs, k.observed = k.observed, None
+            if obs is None or obs["count"] == 0:
+                continue
+            n = int(obs["count"])
+            mu = obs["sum"] / obs["count"]
+            if mode == "query-aware" and obs["q_count"] > 0:
+                k_rms = (obs["sumsq"] / obs["count"] - mu.square()).clamp(min=0).sqrt()
+                q_rms = (obs["q_sumsq"] / obs["q_count"]).sqrt()
+                floor = 1e-3 * k_rms.mean(-1, keepdim=True), 1e-3 * q_rms.mean(-1, keepdim=True)
+                s = (torch.maximum(k_rms, floor[0]) / torch.maximum(q_rms, floor[1])).sqrt()
+            else:
+                s = torch.maximum(obs["max"] - mu, mu - obs["min"]).clamp(min=1e-6).sqrt()
+            self.key_shift[i].copy_(mu)
+            self.key_smooth[i].copy_(s / s.mean(-1, keepdim=True))
+        self.calibrated_tokens = n
+        return n
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V (and int8 scales) from slots ``src`` to ``dst``, e.g. to compact accepted

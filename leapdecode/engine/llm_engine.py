@@ -59,6 +59,10 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, swap=self.swap
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
+        if kv_dtype == torch.int8 and config.kv_calibration:
+            from leapdecode.engine.kv_calibration import calibrate_int8_keys
+
+            calibrate_int8_keys(self)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.layers import small_gemm, split_kv
-from leapdecode.layers.kv_quant import KVPlane, read_kv_range, read_kv_slots, write_kv
+from leapdecode.layers.kv_quant import KVPlane, QuantizedKV, read_kv_range, read_kv_slots, write_kv
 
 # New-token count up to which sequences are batched into one padded attention call.
 SMALL_QUERY = 16
@@ -204,11 +204,10 @@ def paged_attention(
     ``use_kernel``: over a float32 CPU cache, the rows of few-token groups (decode tokens, drafts, tree nodes) attend
     in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not depend on the batch
     or on being verified among drafts. Returns [T, H, D]."""
-    if not isinstance(k_cache, torch.Tensor) and k_cache.rotation is not None:
-        # an int8 cache stores K/V rotated by R (kv_quant.py): q.k = (qR).(kR), so attend in that basis
-        rot = k_cache.rotation
-        o = _paged_attention((q.float() @ rot).to(q.dtype), k, v, k_cache, v_cache, meta, scale)
-        return (o.float() @ rot.T).to(q.dtype)
+    if isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV):
+        # an int8 cache stores keys as ((k - mu) / s) R and values as v R (kv_quant.py): attend in that basis
+        o = _paged_attention(k_cache.query_to_cache_basis(q), k, v, k_cache, v_cache, meta, scale)
+        return v_cache.unrotate(o)
     return _paged_attention(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
 
 
