@@ -91,6 +91,9 @@ class EngineConfig:
     kv_calibration: bool = True
     # host-memory KV tier for preempted sequences (0 = off: preemption recomputes); swap_path backs it by a file
     swap_space_gb: float = 0.0
+    # layer tier: keep only the last N layers' KV in the device pool, the rest in host memory, fetched per step
+    # (None = all layers on the device; engine/kv_cache.py); pays when device memory, not bandwidth, binds
+    kv_device_layers: int | None = None
     swap_path: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -129,6 +132,10 @@ class EngineConfig:
         )
         _check(
             isinstance(self.kv_calibration, bool), f"kv_calibration must be True or False, got {self.kv_calibration!r}"
+        )
+        _check(
+            self.kv_device_layers is None or (isinstance(self.kv_device_layers, int) and self.kv_device_layers >= 1),
+            f"kv_device_layers must be None (all layers) or >= 1, got {self.kv_device_layers!r}",
         )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(

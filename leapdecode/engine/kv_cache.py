@@ -11,6 +11,16 @@ says why; :mod:`leapdecode.engine.kv_calibration` runs it). Its ``layers`` entri
 :class:`~leapdecode.layers.kv_quant.QuantizedKV` planes that quantize on write and dequantize on read. Float
 caches hand attention plain tensor views.
 
+Layer tier (``kv_device_layers=N``, the technique brief's "keep the most recent layers' KV on the fast
+device"): only the last N layers live in ``pool`` on the device; the first ``L - N`` live in ``host_pool``
+(pinned CPU memory on CUDA), and attention fetches the slots a step reads, layer by layer::
+
+    host_pool[0 .. L-N-1, K|V, slot, ...]   -- read_slots(...).to(device) per step -->  attention of layers 0..L-N-1
+    pool     [0 .. N-1,   K|V, slot, ...]   (device)                                    attention of layers L-N..L-1
+
+Slot arithmetic is shared, so a block id means the same slots in both; block-level moves (tree compaction, swap)
+go through :meth:`KVCache.slot_tensors`, which lists every tensor with a slot axis.
+
 Under tensor parallelism each rank allocates only its own ``kv_heads / tp_size`` heads, so the layout shards along
 the head axis without changing slot arithmetic.
 """
@@ -43,17 +53,60 @@ def available_memory_bytes(device: torch.device) -> int:
         return 4 << 30
 
 
+class HostLayerKV:
+    """One layer's K or V plane kept in host memory (the layer tier): writes land in the host tensor, reads return
+    the requested slots copied to ``device`` -- the "fetch per step". Attention treats it like any non-tensor
+    plane (kv_quant's read/write helpers), so the layer takes the general SDPA path rather than the CPU row
+    kernels, which read a float tensor in place."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host, self.device, self.dtype = host, device, host.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.host.shape
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        self.host.index_copy_(0, slots.to(self.host.device), x.to(self.host.device, self.host.dtype))
+
+    def read_range(self, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host[start : start + n].to(self.device, dtype, non_blocking=True)
+
+    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.host.index_select(0, slots.to(self.host.device))
+        return rows.to(self.device, dtype, non_blocking=True)
+
+
 class KVCache:
-    """``dtype`` is the storage dtype: a float dtype, or ``torch.int8`` for the quantized cache."""
+    """``dtype`` is the storage dtype: a float dtype, or ``torch.int8`` for the quantized cache.
+    ``device_layers``: how many of the last layers keep their KV on ``device`` (None = all; see the layer tier
+    above); the rest live in host memory."""
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        device_layers: int | None = None,
     ) -> None:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.num_kv_heads = divide(cfg.num_key_value_heads, tp_size(), "num_key_value_heads")
         slots = num_blocks * block_size
+        n_layers = cfg.num_hidden_layers
+        self.device_layers = n_layers if device_layers is None else device_layers
+        if not 1 <= self.device_layers <= n_layers:
+            raise ValueError(f"kv_device_layers must be in 1..{n_layers} (the model's layers), got {device_layers}")
+        if self.device_layers < n_layers and dtype == torch.int8:
+            raise ValueError("kv_device_layers (the host layer tier) does not support kv_cache_dtype='int8' yet")
+        self.host_pool: torch.Tensor | None = None
+        host_layers = n_layers - self.device_layers
+        if host_layers:
+            self.host_pool = torch.zeros(host_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                         pin_memory=device.type == "cuda")  # fmt: skip
         self.pool = torch.zeros(
-            cfg.num_hidden_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            self.device_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
         self.scales: torch.Tensor | None = None
         self.rotation: torch.Tensor | None = None
@@ -77,13 +130,26 @@ class KVCache:
                 for i in range(layers)
             ]
         else:
-            self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(cfg.num_hidden_layers)]
+            host: list[tuple[KVPlane, KVPlane]] = [
+                (HostLayerKV(self.host_pool[i, 0], device), HostLayerKV(self.host_pool[i, 1], device))  # type: ignore[misc]
+                for i in range(host_layers)
+            ]
+            self.layers = host + [(self.pool[i, 0], self.pool[i, 1]) for i in range(self.device_layers)]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding per-slot state, slot axis at dim 2: the device pool, int8 scales, the host
+        layer tier. Block-level copies (compaction, swap) must move all of them."""
+        return [t for t in (self.pool, self.scales, self.host_pool) if t is not None]
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually allocated (values and, for int8, scales)."""
-        n = self.pool.numel() * self.pool.element_size()
-        return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())
+        """Bytes allocated for the cache in all tiers (values and, for int8, scales)."""
+        return sum(t.numel() * t.element_size() for t in self.slot_tensors())
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes on the primary device: everything but the host layer tier."""
+        return self.nbytes - (0 if self.host_pool is None else self.host_pool.numel() * self.host_pool.element_size())
 
     def observe_keys(self, on: bool) -> None:
         """Start (``True``) or stop accumulating per-channel statistics of every key written (int8 only)."""
@@ -129,9 +195,9 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V (and int8 scales) from slots ``src`` to ``dst``, e.g. to compact accepted
         tree nodes; use this rather than indexing ``pool`` so quantized caches move their scales too."""
-        self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
-        if self.scales is not None:
-            self.scales.index_copy_(2, dst, self.scales.index_select(2, src))
+        for t in self.slot_tensors():
+            s, d = src.to(t.device), dst.to(t.device)
+            t.index_copy_(2, d, t.index_select(2, s))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -147,9 +213,13 @@ class KVCache:
         max_num_seqs: int,
         max_model_len: int,
         memory_fraction: float,
+        device_layers: int | None = None,
     ) -> int:
-        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by a share of free memory."""
+        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by a share of free memory (on an
+        accelerator, of its memory: the host layer tier does not count against it)."""
         per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
+        if device.type != "cpu" and device_layers is not None:
+            per_block = max(1, per_block * device_layers // cfg.num_hidden_layers)
         wanted = max_num_seqs * -(-max_model_len // block_size)
         afford = int(available_memory_bytes(device) * memory_fraction) // per_block
         return max(1, min(wanted, afford))

@@ -45,9 +45,9 @@ class LLMEngine:
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
         num_blocks = config.kv_cache_blocks or KVCache.auto_num_blocks(
             mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
-            config.kv_cache_memory_fraction,
+            config.kv_cache_memory_fraction, config.kv_device_layers,
         )
-        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device)
+        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = None
         if config.swap_space_gb > 0:

@@ -6,9 +6,10 @@ first tries to *swap out*: the sequence's computed blocks are copied into free h
 freed; when it is admitted again, fresh device blocks are allocated and the K/V copied back, so it resumes
 exactly where it stopped (identical output, no recompute).
 
-Host pool layout mirrors the device pool (``pool[layer, K|V, slot, kv_head, head_dim]`` plus int8 ``scales``),
-so a block moves with two ``index_copy_`` calls. On CUDA the host pool is pinned memory (fast, async-capable
-copies); on CPU it is a separate tensor, or a file-backed one (``swap_path``) so swapped KV can live on disk.
+The host pool mirrors each of the cache's slot tensors (``KVCache.slot_tensors``: ``pool[layer, K|V, slot,
+kv_head, head_dim]``, int8 ``scales``, the host layer tier), so a block moves with one ``index_copy_`` per
+tensor. On CUDA the host pool is pinned memory (fast, async-capable copies); on CPU it is a separate tensor, or
+file-backed ones (``swap_path``, ``swap_path.1``, ...) so swapped KV can live on disk.
 """
 
 from __future__ import annotations
@@ -36,21 +37,20 @@ class HostKVPool:
         self.kv = kv
         self.num_blocks = num_blocks
         self.block_size = kv.block_size
-        shape = list(kv.pool.shape)
-        shape[2] = num_blocks * kv.block_size
         pin = kv.pool.device.type == "cuda"
-        self.pool = self._alloc(shape, kv.pool.dtype, pin, path, "kv")
-        self.scales = None
-        if kv.scales is not None:
-            sshape = list(kv.scales.shape)
-            sshape[2] = num_blocks * kv.block_size
-            self.scales = self._alloc(sshape, kv.scales.dtype, pin, None if path is None else f"{path}.scales", "s")
+        # one host mirror per cache tensor with a slot axis (pool, int8 scales, host layer tier)
+        self.mirrors: list[torch.Tensor] = []
+        for i, t in enumerate(kv.slot_tensors()):
+            shape = list(t.shape)
+            shape[2] = num_blocks * kv.block_size
+            file = None if path is None else (str(path) if i == 0 else f"{path}.{i}")  # path, path.1, ...
+            self.mirrors.append(self._alloc(shape, t.dtype, pin, file))
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_swapped_out = 0
         self.num_swapped_in = 0
 
     @staticmethod
-    def _alloc(shape, dtype, pin: bool, path, _tag: str) -> torch.Tensor:
+    def _alloc(shape, dtype, pin: bool, path) -> torch.Tensor:
         if path is not None:
             n = 1
             for s in shape:
@@ -71,23 +71,19 @@ class HostKVPool:
         if len(device_blocks) > len(self.free):
             return None
         host = [self.free.pop() for _ in device_blocks]
-        src = self._slots(device_blocks, self.kv.pool.device)
         dst = self._slots(host, torch.device("cpu"))
-        self.pool.index_copy_(2, dst, self.kv.pool.index_select(2, src).to("cpu"))
-        if self.scales is not None:
-            self.scales.index_copy_(2, dst, self.kv.scales.index_select(2, src).to("cpu"))  # type: ignore[union-attr]
+        for mirror, t in zip(self.mirrors, self.kv.slot_tensors(), strict=True):
+            mirror.index_copy_(2, dst, t.index_select(2, self._slots(device_blocks, t.device)).to("cpu"))
         self.num_swapped_out += 1
         return SwapHandle(host, num_tokens)
 
     def swap_in(self, handle: SwapHandle, device_blocks: list[int]) -> None:
         """Copy a swapped sequence's KV into ``device_blocks`` (same count, table order) and free its host blocks."""
         assert len(device_blocks) >= len(handle.host_blocks)
-        dev = self.kv.pool.device
         src = self._slots(handle.host_blocks, torch.device("cpu"))
-        dst = self._slots(device_blocks[: len(handle.host_blocks)], dev)
-        self.kv.pool.index_copy_(2, dst, self.pool.index_select(2, src).to(dev, non_blocking=True))
-        if self.scales is not None:
-            self.kv.scales.index_copy_(2, dst, self.scales.index_select(2, src).to(dev))  # type: ignore[union-attr]
+        for mirror, t in zip(self.mirrors, self.kv.slot_tensors(), strict=True):
+            dst = self._slots(device_blocks[: len(handle.host_blocks)], t.device)
+            t.index_copy_(2, dst, mirror.index_select(2, src).to(t.device, non_blocking=True))
         self.release(handle)
         self.num_swapped_in += 1
 

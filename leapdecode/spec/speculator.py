@@ -283,10 +283,7 @@ class Speculator:
             dev = kv.pool.device
             src = torch.tensor([bm.slot(seq, base + a) for a, _ in moves], dtype=torch.long, device=dev)
             dst = torch.tensor([bm.slot(seq, base + b) for _, b in moves], dtype=torch.long, device=dev)
-            if hasattr(kv, "copy_slots"):  # also moves int8 scales
-                kv.copy_slots(src, dst)
-            else:
-                kv.pool.index_copy_(2, dst, kv.pool.index_select(2, src))
+            kv.copy_slots(src, dst)  # every tier, and int8 scales
         accepted = len(path)
         m = seq.metrics
         m.num_draft_tokens += n
