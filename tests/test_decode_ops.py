@@ -31,7 +31,9 @@ def _reference(q, k_cache, v_cache, slots: torch.Tensor, scale: float, group: in
     return F.scaled_dot_product_attention(q.view(1, hkv, group, d), kg, vg, scale=scale).view(-1, d)
 
 
-@pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5]])  # 3000 x 9 heads: the threaded path
+# 3000 x 9 heads: the threaded path; rows over 1024 positions are attended in 1024-slot chunks and merged
+# (1025: a one-slot last chunk; 2048: two full ones; 1024: still one piece)
+@pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5], [1025, 2048, 1024]])
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: a vector plus a scalar tail
 def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(lengths: list[int], head_dim: int) -> None:
     g = torch.Generator().manual_seed(sum(lengths) + head_dim)
