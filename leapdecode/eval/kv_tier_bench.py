@@ -10,7 +10,8 @@ On a CPU the host tier is the same memory, so the fetch is pure overhead (an ext
 where the device pool is the scarce resource -- an accelerator whose memory bounds the batch -- and the link is
 fast enough for the bytes fetched per step. The printed fetch rate lets you compare with a link's bandwidth.
 
-Run: ``python -m leapdecode.eval.kv_tier_bench`` (bundled model; contexts 256,2048,6144; tiers all,8,4).
+Run: ``python -m leapdecode.eval.kv_tier_bench`` (bundled model; contexts 256,2048,6144; tiers all,8,4);
+``--tiers all --kv-cache-dtype int8`` gives decode time against context for the int8 cache.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="256,2048,6144", help="comma list of prompt lengths (tokens)")
     ap.add_argument("--tiers", default="all,8,4", help="comma list of kv_device_layers values ('all' = no tier)")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens timed per request")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or int8 (then --tiers all)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     tiers = [None if t == "all" else int(t) for t in a.tiers.split(",")]
     blocks = -(-(max(contexts) + a.decode) // 16) + 2
     engines = {t: LLM(model=a.model, kv_cache_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False,
-                      kv_device_layers=t, max_model_len=max(contexts) + a.decode + 16) for t in tiers}  # fmt: skip
+                      kv_device_layers=t, max_model_len=max(contexts) + a.decode + 16, kv_cache_dtype=a.kv_cache_dtype)
+               for t in tiers}  # fmt: skip
     cfg = next(iter(engines.values())).engine.model_config
     layers = cfg.num_hidden_layers
     gen = torch.Generator().manual_seed(0)
