@@ -116,6 +116,29 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
+// padding becomes 0. Returns their sum. One fixed order, whatever the caller.
+static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
+  float m = sg[0];
+  for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+  for (int64_t j = n; j < np; ++j) sg[j] = m;
+  for (int64_t j = 0; j < np; j += 16) {
+    v16f e;
+    __builtin_memcpy(&e, sg + j, 64);
+    e = exp16(e - m);
+    __builtin_memcpy(sg + j, &e, 64);
+  }
+  for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
+  v16f acc = v16f{};
+  for (int64_t j = 0; j < np; j += 16) {
+    v16f e;
+    __builtin_memcpy(&e, sg + j, 64);
+    acc += e;
+  }
+  *m_out = m;
+  return hsum(acc);
+}
+
 // Attention for query rows that each see an explicit list of cache slots (decode tokens, drafts, tree nodes), in
 // place over the paged cache. q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to
 // slots[offsets[r] .. offsets[r+1]) (in position order) and its [H, D] result is written to out[t].
@@ -133,23 +156,8 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sh + g * np;
-    float m = sg[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-    for (int64_t j = n; j < np; ++j) sg[j] = m;
-    v16f acc = v16f{};
-    for (int64_t j = 0; j < np; j += 16) {
-      v16f e;
-      __builtin_memcpy(&e, sg + j, 64);
-      e = exp16(e - m);
-      __builtin_memcpy(sg + j, &e, 64);
-    }
-    for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
-    for (int64_t j = 0; j < np; j += 16) {
-      v16f e;
-      __builtin_memcpy(&e, sg + j, 64);
-      acc += e;
-    }
-    const float inv = 1.f / hsum(acc);
+    float m;
+    const float inv = 1.f / exp_scores(sg, n, np, &m);
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -186,25 +194,8 @@ static void attend_chunk(const float* q, const float* kp, const float* vp, const
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sh + g * np;
-    float m = sg[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-    for (int64_t j = n; j < np; ++j) sg[j] = m;
-    v16f acc = v16f{};
-    for (int64_t j = 0; j < np; j += 16) {
-      v16f e;
-      __builtin_memcpy(&e, sg + j, 64);
-      e = exp16(e - m);
-      __builtin_memcpy(sg + j, &e, 64);
-    }
-    for (int64_t j = n; j < np; ++j) sg[j] = 0.f;
-    for (int64_t j = 0; j < np; j += 16) {
-      v16f e;
-      __builtin_memcpy(&e, sg + j, 64);
-      acc += e;
-    }
     float* rec = part + g * (D + 2);
-    rec[0] = m;
-    rec[1] = hsum(acc);
+    rec[1] = exp_scores(sg, n, np, &rec[0]);
     float* og = rec + 2;
     switch (D) {
       case 32: weighted_rows<2>(sg, vp, slots, n, row, h * D, og); break;
