@@ -116,6 +116,20 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// out[0 .. D) = sum_j p[j] * V[slots[j]] for any head width: in registers for the common widths (no
+// store-to-load chain through the output), axpy otherwise
+static inline void weighted_sum(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+                                int64_t off, int64_t D, float* out) {
+  switch (D) {
+    case 32: weighted_rows<2>(p, v, slots, n, row, off, out); break;
+    case 64: weighted_rows<4>(p, v, slots, n, row, off, out); break;
+    case 128: weighted_rows<8>(p, v, slots, n, row, off, out); break;
+    default:
+      for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
+      for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * row + off, out, D);
+  }
+}
+
 // Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
 // padding becomes 0. Returns their sum. One fixed order, whatever the caller.
 static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
@@ -163,14 +177,7 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
   for (int64_t g = 0; g < G; ++g) {
     float* og = o + (h * G + g) * D;
     const float* pg = sh + g * np;
-    switch (D) {  // the weighted sum of V rows in registers (no store-to-load chain through the output)
-      case 32: weighted_rows<2>(pg, vp, slots, n, row, h * D, og); break;
-      case 64: weighted_rows<4>(pg, vp, slots, n, row, h * D, og); break;
-      case 128: weighted_rows<8>(pg, vp, slots, n, row, h * D, og); break;
-      default:
-        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
-        for (int64_t j = 0; j < n; ++j) axpy(pg[j], vp + slots[j] * row + h * D, og, D);
-    }
+    weighted_sum(pg, vp, slots, n, row, h * D, D, og);
   }
 }
 
@@ -197,14 +204,7 @@ static void attend_chunk(const float* q, const float* kp, const float* vp, const
     float* rec = part + g * (D + 2);
     rec[1] = exp_scores(sg, n, np, &rec[0]);
     float* og = rec + 2;
-    switch (D) {
-      case 32: weighted_rows<2>(sg, vp, slots, n, row, h * D, og); break;
-      case 64: weighted_rows<4>(sg, vp, slots, n, row, h * D, og); break;
-      case 128: weighted_rows<8>(sg, vp, slots, n, row, h * D, og); break;
-      default:
-        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
-        for (int64_t j = 0; j < n; ++j) axpy(sg[j], vp + slots[j] * row + h * D, og, D);
-    }
+    weighted_sum(sg, vp, slots, n, row, h * D, D, og);
   }
 }
 
