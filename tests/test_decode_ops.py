@@ -59,6 +59,56 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(lengths: list
     assert (out[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize("lengths", [[1, 37], [3000, 200, 1025]])
+def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list[int]) -> None:
+    """The int8 rows kernel dequantizes what kv_quant stores, chunk by chunk; short rows and long (merged) ones."""
+    from leapdecode.layers.kv_quant import QuantizedKV
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    hkv, group, d, num_slots = 3, 3, 64, 4096
+
+    def plane() -> QuantizedKV:
+        return QuantizedKV(torch.zeros(num_slots, hkv, d, dtype=torch.int8), torch.zeros(num_slots, hkv, 4,
+                                                                                           dtype=torch.float16))
+
+    k_plane, v_plane = plane(), plane()
+    k_plane.write(torch.arange(num_slots), torch.randn(num_slots, hkv, d, generator=g) * 2)
+    v_plane.write(torch.arange(num_slots), torch.randn(num_slots, hkv, d, generator=g))
+    k_deq, v_deq = (p.read_range(0, num_slots, torch.float32) for p in (k_plane, v_plane))
+    q = torch.randn(len(lengths), hkv * group, d, generator=g)
+    lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = torch.empty_like(q)
+    small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.arange(len(lengths)), offsets, torch.cat(lists), 0.125,
+                                 out)  # fmt: skip
+    for r, slots in enumerate(lists):
+        torch.testing.assert_close(out[r], _reference(q[r], k_deq, v_deq, slots, 0.125, group), rtol=1e-5, atol=2e-6)
+        alone = torch.empty_like(q)
+        small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.tensor([r]), torch.tensor([0, len(slots)]), slots,
+                                     0.125, alone)  # fmt: skip
+        assert torch.equal(alone[r], out[r])
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_int8_quantize_on_write_matches_the_torch_definition(calibrated: bool) -> None:
+    """quantize_kv_rows is kv_quant's write in one call: same scales, int8 values off by at most one step where the
+    rotation's float sums round differently (a value right at a rounding boundary)."""
+    from leapdecode.layers.kv_quant import QuantizedKV, quantize, rotation_matrix
+
+    g = torch.Generator().manual_seed(3)
+    shift = torch.randn(3, 64, generator=g) * 3 if calibrated else None
+    smooth = torch.rand(3, 64, generator=g) + 0.5 if calibrated else None
+    plane = QuantizedKV(torch.zeros(64, 3, 64, dtype=torch.int8), torch.zeros(64, 3, 4, dtype=torch.float16),
+                        rotation_matrix(64), shift, smooth)  # fmt: skip
+    x = torch.randn(20, 3, 64, generator=g) * torch.logspace(-2, 2, 20).view(-1, 1, 1)
+    slots = torch.randperm(64, generator=g)[:20]
+    plane.write(slots, x)
+    q, s = quantize(plane.to_cache_basis(x), 4)
+    torch.testing.assert_close(plane.scale[slots].float(), s.float(), rtol=1e-3, atol=0)
+    diff = (plane.data[slots].int() - q.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01
+
+
 def test_attention_rows_rejects_bad_indices() -> None:
     k = torch.zeros(8, 1, 16)
     q, out = torch.zeros(2, 1, 16), torch.zeros(2, 1, 16)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from leapdecode.config import EngineConfig
 from leapdecode.engine.kv_cache import KVCache
-from leapdecode.layers import split_kv
+from leapdecode.layers import small_gemm, split_kv
 from leapdecode.layers.attention import SeqAttention, build_attention_metadata, paged_attention
 from leapdecode.layers.kv_quant import (
     QuantizedKV,
@@ -121,9 +121,9 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("transform", ["none", "rotate", "calibrated"])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(("split", "kernel"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("layout", ["contiguous", "fragmented", "batch"])
-def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch, split, layout, transform):
+def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch, split, kernel, layout, transform):
     """Attention reads exactly the dequantized cache: compare with plain SDPA over dequantized K/V mapped back to
     the model's basis (un-rotated; keys also un-smoothed and un-shifted, since a calibrated cache stores
     ((k - mu) / s) R and relies on softmax ignoring the per-query constant q.mu)."""
@@ -156,7 +156,9 @@ def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch
     slot_mapping = torch.cat([s.slots()[-1:] for s in seqs])
     meta = build_attention_metadata(seqs, slot_mapping, 3, torch.device("cpu"))
     assert (meta.groups[0].split is not None) == split
-    got = paged_attention(q, k, v, k_plane, v_plane, meta, 0.125)
+    if kernel and small_gemm.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    got = paged_attention(q, k, v, k_plane, v_plane, meta, 0.125, use_kernel=kernel)  # kernel: int8 rows in C++
     for i, s in enumerate(seqs):
         kk = k_plane.unrotate(k_plane.read_slots(s.slots(), torch.float32))
         if shift is not None:

@@ -5,7 +5,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -188,23 +191,53 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
 // The split depends only on the row's own length, so a token's result still does not depend on the batch.
 constexpr int64_t kLongRow = 1024;
 
-static void attend_chunk(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t n, int64_t h,
-                         int64_t G, int64_t D, int64_t row, float scale, float* part, std::vector<float>& buf) {
+// q: the G query heads of one KV head [G, D]; k, v: that KV head's rows at k + slots[j] * row (so a float cache
+// passes kp + h * D with row = Hkv * D, and a dequantised int8 chunk its own [n, D] scratch with row = D)
+static void attend_chunk(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n, int64_t G,
+                         int64_t D, int64_t row, float scale, float* part, std::vector<float>& buf) {
   // part: G records of [m, s, o[0..D)]
   const int64_t np = (n + 15) / 16 * 16;
   if (int64_t(buf.size()) < G * np) buf.resize(G * np);
   float* sh = buf.data();
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = kp + slots[j] * row + h * D;
-    if (j + 8 < n) __builtin_prefetch(kp + slots[j + 8] * row + h * D);
-    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + (h * G + g) * D, kj, D) * scale;
+    const float* kj = k + slots[j] * row;
+    if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
+    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sh + g * np;
     float* rec = part + g * (D + 2);
     rec[1] = exp_scores(sg, n, np, &rec[0]);
-    float* og = rec + 2;
-    weighted_sum(sg, vp, slots, n, row, h * D, D, og);
+    weighted_sum(sg, v, slots, n, row, 0, D, rec + 2);
+  }
+}
+
+// out[t] for every row whose partial results sit in parts (G records of [m, s, o] per (row, KV head, chunk), at
+// parts[(first_part[r] + h * chunks + c) * G * (D + 2)]): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c,
+// chunks in order. Rows with no parts (first_part[r] == first_part[r + 1]) are left alone.
+static void merge_chunks(const std::vector<float>& parts, const std::vector<int64_t>& first_part, const int64_t* rp,
+                         int64_t R, int64_t Hkv, int64_t G, int64_t D, float* outp) {
+  const int64_t H = Hkv * G, stride = G * (D + 2);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t chunks = (first_part[r + 1] - first_part[r]) / Hkv, t = rp[r];
+    if (chunks == 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* first = parts.data() + (first_part[r] + h * chunks) * stride + g * (D + 2);
+        float m = first[0];
+        for (int64_t c = 1; c < chunks; ++c) m = std::max(m, first[c * stride]);
+        float* og = outp + t * H * D + (h * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* rec = first + c * stride;
+          const float w = std::exp(rec[0] - m);
+          total += w * rec[1];
+          axpy(w, rec + 2, og, D);
+        }
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < D; ++i) og[i] *= inv;
+      }
   }
 }
 
@@ -266,36 +299,189 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
       } else {
         const int64_t chunks = (n + kLongRow - 1) / kLongRow, j0 = c * kLongRow;
         float* part = parts.data() + (first_part[r] + h * chunks + c) * G * (D + 2);
-        attend_chunk(qp + t * H * D, kp, vp, sp + op[r] + j0, std::min(kLongRow, n - j0), h, G, D, Hkv * D,
-                     float(scale), part, buf);
+        attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + op[r] + j0, std::min(kLongRow, n - j0),
+                     G, D, Hkv * D, float(scale), part, buf);
       }
     }
   });
-  if (num_parts == 0) return;
-  // merge each long row's chunks in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+  if (num_parts) merge_chunks(parts, first_part, rp, R, Hkv, G, D, outp);
+}
+
+// ---------------------------------------------------------------------------------------------- int8 KV cache
+// The cache of layers/kv_quant.py: rows int8 [slots, Hkv, D], one float16 scale per 16 channels [slots, Hkv, D/16],
+// in a rotated (keys: shifted and smoothed) basis that the caller maps queries into and outputs out of. Attention
+// dequantises each chunk of a row's slots into a float scratch that stays in L2 and runs the float chunk routine
+// on it: the long context is read from memory as int8 (~3.6x fewer bytes than float32), every row goes through
+// chunks + merge (one chunk for short rows), and nothing depends on the other rows of the call.
+
+static inline void half4_to_float(const at::Half* h, int64_t n, float* out) {
+#if defined(__F16C__)
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m128 f = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + i)));
+    _mm_storeu_ps(out + i, f);
+  }
+  for (; i < n; ++i) out[i] = _cvtsh_ss(h[i].x);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(h[i]);
+#endif
+}
+
+// 16 int8 values times s into out[0 .. 16)
+static inline void dequant16(const int8_t* q, float s, float* out) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  _mm512_storeu_ps(out, _mm512_mul_ps(f, _mm512_set1_ps(s)));
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int half = 0; half < 2; ++half) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * half));
+    _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sv));
+  }
+#else
+  for (int i = 0; i < 16; ++i) out[i] = float(q[i]) * s;
+#endif
+}
+
+// rows slots[0 .. n) of KV head h, dequantised into out [n, D]
+static void dequant_rows(const int8_t* data, const at::Half* scale, const int64_t* slots, int64_t n, int64_t Hkv,
+                         int64_t h, int64_t D, float* out) {
+  const int64_t NG = D / 16;
+  float sc[16];
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t base = slots[j] * Hkv + h;
+    if (j + 4 < n) __builtin_prefetch(data + (slots[j + 4] * Hkv + h) * D);
+    half4_to_float(scale + base * NG, NG, sc);
+    for (int64_t c = 0; c < NG; ++c) dequant16(data + base * D + 16 * c, sc[c], out + j * D + 16 * c);
+  }
+}
+
+static void check_int8_plane(const torch::Tensor& data, const torch::Tensor& scale, const char* what) {
+  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == torch::kChar && data.is_contiguous() && data.size(2) % 16 == 0,
+              what, ": int8 data must be contiguous [slots, Hkv, D] with D a multiple of 16");
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == torch::kHalf && scale.is_contiguous() &&
+                  scale.size(0) == data.size(0) && scale.size(1) == data.size(1) && scale.size(2) * 16 == data.size(2),
+              what, ": scales must be contiguous float16 [slots, Hkv, D/16]");
+}
+
+void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
+                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                       double scale, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows_i8: q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
+              "attention_rows_i8: out");
+  check_int8_plane(k_data, k_scale, "attention_rows_i8: keys");
+  check_int8_plane(v_data, v_scale, "attention_rows_i8: values");
+  TORCH_CHECK(v_data.sizes() == k_data.sizes(), "attention_rows_i8: K and V planes differ in shape");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
+                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
+                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
+              "attention_rows_i8: int64 rows [R], offsets [R + 1], slots");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_data.size(1), G = H / Hkv;
+  TORCH_CHECK(k_data.size(2) == D && H % Hkv == 0, "attention_rows_i8: head shapes");
+  const int64_t R = rows.numel(), num_slots = k_data.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(),
+                "attention_rows_i8: row ", r, " is out of range or sees no position");
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "attention_rows_i8: slot out of range");
+  std::vector<int64_t> first_part(R + 1, 0), task_row, task_head, task_chunk;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = op[r + 1] - op[r];
-    if (n <= kLongRow) continue;
-    const int64_t chunks = (n + kLongRow - 1) / kLongRow, t = rp[r];
+    const int64_t chunks = (op[r + 1] - op[r] + kLongRow - 1) / kLongRow;
+    first_part[r + 1] = first_part[r] + Hkv * chunks;
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* first = parts.data() + (first_part[r] + h * chunks) * G * (D + 2) + g * (D + 2);
-        const int64_t stride = G * (D + 2);
-        float m = first[0];
-        for (int64_t c = 1; c < chunks; ++c) m = std::max(m, first[c * stride]);
-        float* og = outp + t * H * D + (h * G + g) * D;
-        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
-        float total = 0.f;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float* rec = first + c * stride;
-          const float w = std::exp(rec[0] - m);
-          total += w * rec[1];
-          axpy(w, rec + 2, og, D);
-        }
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < D; ++i) og[i] *= inv;
+      for (int64_t c = 0; c < chunks; ++c) {
+        task_row.push_back(r);
+        task_head.push_back(h);
+        task_chunk.push_back(c);
       }
   }
+  std::vector<float> parts(first_part[R] * G * (D + 2));
+  std::vector<int64_t> identity(std::min(kLongRow, op[R] - op[0] + 1));
+  std::iota(identity.begin(), identity.end(), 0);
+  const float* qp = q.data_ptr<float>();
+  const int8_t* kd = k_data.data_ptr<int8_t>();
+  const int8_t* vd = v_data.data_ptr<int8_t>();
+  const at::Half* ks = k_scale.data_ptr<at::Half>();
+  const at::Half* vs = v_scale.data_ptr<at::Half>();
+  const int64_t num_tasks = int64_t(task_row.size()), work = (op[R] - op[0]) * H;
+  at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf, kbuf, vbuf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task_row[task], h = task_head[task], c = task_chunk[task], t = rp[r];
+      const int64_t n = op[r + 1] - op[r], chunks = (n + kLongRow - 1) / kLongRow, j0 = c * kLongRow;
+      const int64_t m = std::min(kLongRow, n - j0);
+      if (int64_t(kbuf.size()) < m * D) {
+        kbuf.resize(m * D);
+        vbuf.resize(m * D);
+      }
+      dequant_rows(kd, ks, sp + op[r] + j0, m, Hkv, h, D, kbuf.data());
+      dequant_rows(vd, vs, sp + op[r] + j0, m, Hkv, h, D, vbuf.data());
+      float* part = parts.data() + (first_part[r] + h * chunks + c) * G * (D + 2);
+      attend_chunk(qp + t * H * D + h * G * D, kbuf.data(), vbuf.data(), identity.data(), m, G, D, D, float(scale),
+                   part, buf);
+    }
+  });
+  merge_chunks(parts, first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
+}
+
+// Quantize-on-write of kv_quant.QuantizedKV in one call: row x[t, h] becomes y = ((x - shift[h]) / smooth[h]) @ R,
+// then per 16 channels scale = float16(absmax / 127), q = round-half-even(y / scale) in [-127, 127], stored at
+// slots[t]. shift / smooth / rotation may be empty (identity).
+void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth, torch::Tensor rotation,
+                      torch::Tensor slots, torch::Tensor data, torch::Tensor scale) {
+  check_int8_plane(data, scale, "quantize_kv_rows");
+  const int64_t T = x.size(0), Hkv = data.size(1), D = data.size(2), NG = D / 16;
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) == Hkv &&
+                  x.size(2) == D, "quantize_kv_rows: x must be contiguous float32 [T, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
+              "quantize_kv_rows: int64 slots [T]");
+  for (const auto* t : {&shift, &smooth})
+    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == torch::kFloat32 && t->numel() == Hkv * D),
+                "quantize_kv_rows: shift / smooth must be empty or contiguous float32 [Hkv, D]");
+  TORCH_CHECK(rotation.numel() == 0 || (rotation.is_contiguous() && rotation.scalar_type() == torch::kFloat32 &&
+                                        rotation.numel() == D * D), "quantize_kv_rows: rotation must be [D, D]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < data.size(0), "quantize_kv_rows: slot out of range");
+  const float* xp = x.data_ptr<float>();
+  const float* mu = shift.numel() ? shift.data_ptr<float>() : nullptr;
+  const float* sm = smooth.numel() ? smooth.data_ptr<float>() : nullptr;
+  const float* rot = rotation.numel() ? rotation.data_ptr<float>() : nullptr;
+  int8_t* dp = data.data_ptr<int8_t>();
+  at::Half* scp = scale.data_ptr<at::Half>();
+  std::vector<float> y(D), z(D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* xr = xp + (t * Hkv + h) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        float v = xr[i];
+        if (mu) v -= mu[h * D + i];
+        if (sm) v /= sm[h * D + i];
+        y[i] = v;
+      }
+      if (rot) {  // z = y @ R, R row-major [D, D]
+        for (int64_t e = 0; e < D; ++e) z[e] = 0.f;
+        for (int64_t i = 0; i < D; ++i) axpy(y[i], rot + i * D, z.data(), D);
+      } else {
+        z = y;
+      }
+      const int64_t base = sp[t] * Hkv + h;
+      for (int64_t c = 0; c < NG; ++c) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(z[16 * c + i]));
+        const at::Half sh = at::Half(std::min(amax / 127.f, 65504.f));
+        scp[base * NG + c] = sh;
+        const float sf = std::max(static_cast<float>(sh), 1e-12f);
+        for (int64_t i = 0; i < 16; ++i) {
+          const float qv = std::nearbyint(z[16 * c + i] / sf);
+          dp[base * D + 16 * c + i] = int8_t(std::max(-127.f, std::min(127.f, qv)));
+        }
+      }
+    }
 }
 
 // RoPE in place: each of the first num_heads heads (d wide) of every row of qkv [T, W] becomes

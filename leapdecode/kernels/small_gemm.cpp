@@ -248,6 +248,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out);
+void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
+                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                       double scale, torch::Tensor out);
+void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth, torch::Tensor rotation,
+                      torch::Tensor slots, torch::Tensor data, torch::Tensor scale);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
@@ -261,6 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
+  m.def("attention_rows_i8", &attention_rows_i8, "the same over an int8 cache (float16 scales per 16 channels)");
+  m.def("quantize_kv_rows", &quantize_kv_rows, "int8 KV quantize-on-write (shift, smooth, rotate, 16-channel scales)");
   m.def("packed_linear", &packed_linear, "y = x @ W^T through W's packed format");
   m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of each row of a fused QKV");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");

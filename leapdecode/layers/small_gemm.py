@@ -249,6 +249,27 @@ def attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale: float, out:
     _ext.attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, out)
 
 
+def attention_rows_i8(q, k_plane, v_plane, rows, offsets, slots, scale: float, out: torch.Tensor) -> None:
+    """:func:`attention_rows` over an int8 cache (kv_quant.QuantizedKV planes with 16 channels per scale), reading
+    the int8 rows directly; ``q`` must already be in the cache's basis, and ``out`` is in it too."""
+    _ext.attention_rows_i8(q, k_plane.data, k_plane.scale, v_plane.data, v_plane.scale, rows, offsets, slots, scale,
+                           out)  # fmt: skip
+
+
+def int8_kv_kernels(plane) -> bool:
+    """Whether the int8 C++ ops serve this kv_quant.QuantizedKV plane (CPU, 16 channels per scale, kernel built)."""
+    return _ext is not None and plane.data.device.type == "cpu" and plane.scale.shape[-1] * 16 == plane.data.shape[-1]
+
+
+def quantize_kv_rows(x: torch.Tensor, plane, slots: torch.Tensor) -> None:
+    """kv_quant.QuantizedKV.write in one C++ call: shift, smooth, rotate, quantize x [T, Hkv, D] into the plane."""
+    empty = x.new_empty(0)
+    _ext.quantize_kv_rows(x.float().contiguous(), empty if plane.shift is None else plane.shift.contiguous(),
+                          empty if plane.smooth is None else plane.smooth.contiguous(),
+                          empty if plane.rotation is None else plane.rotation.contiguous(), slots, plane.data,
+                          plane.scale)  # fmt: skip
+
+
 def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
     """A packed copy of ``weight`` = rows ``rows`` (None = all) of an LM head's weight, for the kernel: from the
     head's checkpoint blocks when they reproduce it exactly, else float32 panels; None without the kernel."""
