@@ -241,6 +241,23 @@ static void merge_chunks(const std::vector<float>& parts, const std::vector<int6
   }
 }
 
+// rows [R], offsets [R + 1], slots: int64, contiguous, every row in [0, T) with at least one slot, every slot in
+// [0, num_slots) -- checked once per call, so the kernels can index without bounds checks
+static void check_rows(const torch::Tensor& rows, const torch::Tensor& offsets, const torch::Tensor& slots, int64_t T,
+                       int64_t num_slots, const char* what) {
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
+                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
+                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
+              what, ": int64 rows [R], offsets [R + 1], slots");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows.numel(); ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(), what, ": row ", r,
+                " is out of range or sees no position");
+  for (int64_t i = 0; i < slots.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, what, ": slot out of range");
+}
+
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
@@ -249,21 +266,13 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "attention_rows: contiguous float32 caches [slots, Hkv, D]");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
-                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
-                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
-              "attention_rows: int64 rows [R], offsets [R + 1], slots");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
   const int64_t R = rows.numel(), num_slots = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "attention_rows: head shapes");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(),
-                "attention_rows: row ", r, " is out of range or sees no position");
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "attention_rows: slot out of range");
+  check_rows(rows, offsets, slots, T, num_slots, "attention_rows");
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -373,21 +382,13 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   check_int8_plane(k_data, k_scale, "attention_rows_i8: keys");
   check_int8_plane(v_data, v_scale, "attention_rows_i8: values");
   TORCH_CHECK(v_data.sizes() == k_data.sizes(), "attention_rows_i8: K and V planes differ in shape");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
-                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
-                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
-              "attention_rows_i8: int64 rows [R], offsets [R + 1], slots");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_data.size(1), G = H / Hkv;
   TORCH_CHECK(k_data.size(2) == D && H % Hkv == 0, "attention_rows_i8: head shapes");
   const int64_t R = rows.numel(), num_slots = k_data.size(0);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(),
-                "attention_rows_i8: row ", r, " is out of range or sees no position");
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "attention_rows_i8: slot out of range");
+  check_rows(rows, offsets, slots, T, num_slots, "attention_rows_i8");
   std::vector<int64_t> first_part(R + 1, 0), task_row, task_head, task_chunk;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t chunks = (op[r + 1] - op[r] + kLongRow - 1) / kLongRow;
