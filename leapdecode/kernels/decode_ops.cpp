@@ -15,8 +15,17 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
-// the 16 lanes summed pairwise (a log-depth tree: a serial loop over lanes cost more than the products)
+// the 16 lanes summed pairwise (a log-depth tree: a serial loop over lanes cost more than the products). The
+// AVX-512 version is the same tree in registers: taking the vector's address made GCC keep a dot product's
+// accumulator in memory across iterations (a store-to-load chain per 16 products)
 static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+  const __m512 x = (__m512)v;
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // (c0 + c2, c1 + c3, ...)
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 0x55)));
+#else
   v8f a, b;
   __builtin_memcpy(&a, &v, 32);
   __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + 32, 32);
@@ -26,6 +35,7 @@ static inline float hsum(v16f v) {
   __builtin_memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
   c += d;
   return (c[0] + c[2]) + (c[1] + c[3]);
+#endif
 }
 
 // q . k over d floats in a fixed order (16 lanes, then the lanes summed): vectorised without -ffast-math
@@ -133,11 +143,58 @@ static inline void weighted_sum(const float* p, const float* v, const int64_t* s
   }
 }
 
+// weighted_rows<C> for NG query heads at once (probabilities p[g * np + j]; head g's sum to out + g * stride):
+// each V row is loaded once for all heads and NG * C independent sums hide the FMA latency that bounds a single
+// head's C sums. Every head's sums run in weighted_rows' order, so the results are the same bits.
+template <int NG, int C>
+static inline void weighted_rows_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+                                       int64_t row, float* out, int64_t stride) {
+  v16f acc[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = v16f{};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    v16f x[C];
+    for (int c = 0; c < C; ++c) __builtin_memcpy(&x[c], vj + 16 * c, 64);
+    for (int g = 0; g < NG; ++g) {
+      const float pj = p[g * np + j];
+      for (int c = 0; c < C; ++c) acc[g][c] += x[c] * pj;
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) __builtin_memcpy(out + g * stride + 16 * c, &acc[g][c], 64);
+}
+
+// the G query heads' weighted sums over one KV head's V rows (v already offset to the head), head g's to
+// out + g * stride: all heads in one pass for the common shapes, weighted_sum per head otherwise (same bits)
+static inline void weighted_sum_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+                                      int64_t row, int64_t G, int64_t D, float* out, int64_t stride) {
+  if (D == 64 && G == 3) {  // SmolLM2's shape (9 query heads on 3 KV heads)
+    weighted_rows_heads<3, 4>(p, np, v, slots, n, row, out, stride);
+  } else if (D == 64 && G == 2) {
+    weighted_rows_heads<2, 4>(p, np, v, slots, n, row, out, stride);
+  } else {
+    for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * np, v, slots, n, row, 0, D, out + g * stride);
+  }
+}
+
 // Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
 // padding becomes 0. Returns their sum. One fixed order, whatever the caller.
 static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
+  // the max is exact in any order, so 16 lanes at a time (a serial chain of n compares was a visible cost)
   float m = sg[0];
-  for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+  int64_t j = 0;
+  if (n >= 16) {
+    v16f mv;
+    __builtin_memcpy(&mv, sg, 64);
+    for (j = 16; j + 16 <= n; j += 16) {
+      v16f x;
+      __builtin_memcpy(&x, sg + j, 64);
+      mv = mv > x ? mv : x;
+    }
+    for (int l = 0; l < 16; ++l) m = std::max(m, mv[l]);
+  }
+  for (; j < n; ++j) m = std::max(m, sg[j]);
   for (int64_t j = n; j < np; ++j) sg[j] = m;
   for (int64_t j = 0; j < np; j += 16) {
     v16f e;
@@ -177,11 +234,7 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
     const float inv = 1.f / exp_scores(sg, n, np, &m);
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* og = o + (h * G + g) * D;
-    const float* pg = sh + g * np;
-    weighted_sum(pg, vp, slots, n, row, h * D, D, og);
-  }
+  weighted_sum_heads(sh, np, vp + h * D, slots, n, row, G, D, o + h * G * D, D);
 }
 
 // A row that sees more than kLongRow positions is attended in kLongRow-slot chunks by separate tasks, each keeping
@@ -205,11 +258,10 @@ static void attend_chunk(const float* q, const float* k, const float* v, const i
     for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = sh + g * np;
     float* rec = part + g * (D + 2);
-    rec[1] = exp_scores(sg, n, np, &rec[0]);
-    weighted_sum(sg, v, slots, n, row, 0, D, rec + 2);
+    rec[1] = exp_scores(sh + g * np, n, np, &rec[0]);
   }
+  weighted_sum_heads(sh, np, v, slots, n, row, G, D, part + 2, D + 2);
 }
 
 // out[t] for every row whose partial results sit in parts (G records of [m, s, o] per (row, KV head, chunk), at
