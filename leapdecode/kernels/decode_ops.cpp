@@ -21,7 +21,8 @@ typedef float v4f __attribute__((vector_size(16)));
 static inline float hsum(v16f v) {
 #if defined(__AVX512F__)
   const __m512 x = (__m512)v;
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), hi);
   const __m128 c = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // (c0 + c2, c1 + c3, ...)
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 0x55)));
@@ -69,14 +70,14 @@ static inline void axpy(float a, const float* __restrict x, float* __restrict y,
   for (; i < d; ++i) y[i] += a * x[i];
 }
 
-// out[0 .. 16C) = sum_j p[j] * V[slots[j]] (row stride ``row``, offset ``off``), summed over j in order
+// out[0 .. 16C) = sum_j p[j] * V[slots[j]] (V rows at v + slots[j] * row), summed over j in order
 template <int C>
 static inline void weighted_rows(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
-                                 int64_t off, float* out) {
+                                 float* out) {
   v16f acc[C];
   for (int c = 0; c < C; ++c) acc[c] = v16f{};
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + slots[j] * row + off;
+    const float* vj = v + slots[j] * row;
     for (int c = 0; c < C; ++c) {
       v16f x;
       __builtin_memcpy(&x, vj + 16 * c, 64);
@@ -132,14 +133,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // out[0 .. D) = sum_j p[j] * V[slots[j]] for any head width: in registers for the common widths (no
 // store-to-load chain through the output), axpy otherwise
 static inline void weighted_sum(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
-                                int64_t off, int64_t D, float* out) {
+                                int64_t D, float* out) {
   switch (D) {
-    case 32: weighted_rows<2>(p, v, slots, n, row, off, out); break;
-    case 64: weighted_rows<4>(p, v, slots, n, row, off, out); break;
-    case 128: weighted_rows<8>(p, v, slots, n, row, off, out); break;
+    case 32: weighted_rows<2>(p, v, slots, n, row, out); break;
+    case 64: weighted_rows<4>(p, v, slots, n, row, out); break;
+    case 128: weighted_rows<8>(p, v, slots, n, row, out); break;
     default:
       for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
-      for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * row + off, out, D);
+      for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * row, out, D);
   }
 }
 
@@ -174,7 +175,7 @@ static inline void weighted_sum_heads(const float* p, int64_t np, const float* v
   } else if (D == 64 && G == 2) {
     weighted_rows_heads<2, 4>(p, np, v, slots, n, row, out, stride);
   } else {
-    for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * np, v, slots, n, row, 0, D, out + g * stride);
+    for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * np, v, slots, n, row, D, out + g * stride);
   }
 }
 
@@ -293,6 +294,33 @@ static void merge_chunks(const std::vector<float>& parts, const std::vector<int6
   }
 }
 
+// The tasks of one attention call. A row over more than kLongRow positions (or every row, with chunk_all) is
+// split into kLongRow-slot chunks, one task per (row, KV head, chunk), whose partial results go to
+// parts[(first_part[r] + h * chunks(r) + c) * G * (D + 2)]; other rows are one task per (row, KV head), chunk -1.
+struct RowTasks {
+  std::vector<int64_t> first_part, row, head, chunk;
+};
+
+static inline int64_t num_chunks(int64_t n, bool chunk_all) {
+  return n > kLongRow || chunk_all ? (n + kLongRow - 1) / kLongRow : 0;
+}
+
+static RowTasks plan_row_tasks(const int64_t* op, int64_t R, int64_t Hkv, bool chunk_all) {
+  RowTasks t;
+  t.first_part.assign(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t chunks = num_chunks(op[r + 1] - op[r], chunk_all);
+    t.first_part[r + 1] = t.first_part[r] + Hkv * chunks;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t c = chunks ? 0 : -1; c < chunks; ++c) {
+        t.row.push_back(r);
+        t.head.push_back(h);
+        t.chunk.push_back(c);
+      }
+  }
+  return t;
+}
+
 // rows [R], offsets [R + 1], slots: int64, contiguous, every row in [0, T) with at least one slot, every slot in
 // [0, num_slots) -- checked once per call, so the kernels can index without bounds checks
 static void check_rows(const torch::Tensor& rows, const torch::Tensor& offsets, const torch::Tensor& slots, int64_t T,
@@ -329,43 +357,26 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  // tasks: (row, KV head) for short rows; (row, KV head, chunk) for long ones, whose partial results go to
-  // parts[first_part[r] + h * chunks(r) + c]
-  std::vector<int64_t> first_part(R + 1, 0);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = op[r + 1] - op[r];
-    first_part[r + 1] = first_part[r] + (n > kLongRow ? Hkv * ((n + kLongRow - 1) / kLongRow) : 0);
-  }
-  const int64_t num_parts = first_part[R];
-  std::vector<int64_t> task_row, task_head, task_chunk;  // chunk -1 = the whole (short) row
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = op[r + 1] - op[r], chunks = n > kLongRow ? (n + kLongRow - 1) / kLongRow : 0;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t c = chunks ? 0 : -1; c < chunks; ++c) {
-        task_row.push_back(r);
-        task_head.push_back(h);
-        task_chunk.push_back(c);
-      }
-  }
-  std::vector<float> parts(num_parts * G * (D + 2));
-  const int64_t num_tasks = int64_t(task_row.size());
+  const RowTasks tasks = plan_row_tasks(op, R, Hkv, false);
+  std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
+  const int64_t num_tasks = int64_t(tasks.row.size());
   const int64_t work = (op[R] - op[0]) * H;  // score count: one thread unless waking a second one pays
   at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task_row[task], h = task_head[task], c = task_chunk[task], t = rp[r];
+      const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
       const int64_t n = op[r + 1] - op[r];
       if (c < 0) {
         attend(qp + t * H * D, kp, vp, sp + op[r], n, h, G, D, Hkv * D, float(scale), outp + t * H * D, buf);
       } else {
-        const int64_t chunks = (n + kLongRow - 1) / kLongRow, j0 = c * kLongRow;
-        float* part = parts.data() + (first_part[r] + h * chunks + c) * G * (D + 2);
+        const int64_t j0 = c * kLongRow;
+        float* part = parts.data() + (tasks.first_part[r] + h * num_chunks(n, false) + c) * G * (D + 2);
         attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + op[r] + j0, std::min(kLongRow, n - j0),
                      G, D, Hkv * D, float(scale), part, buf);
       }
     }
   });
-  if (num_parts) merge_chunks(parts, first_part, rp, R, Hkv, G, D, outp);
+  merge_chunks(parts, tasks.first_part, rp, R, Hkv, G, D, outp);  // long rows only
 }
 
 // ---------------------------------------------------------------------------------------------- int8 KV cache
@@ -441,18 +452,8 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const int64_t* op = offsets.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   check_rows(rows, offsets, slots, T, num_slots, "attention_rows_i8");
-  std::vector<int64_t> first_part(R + 1, 0), task_row, task_head, task_chunk;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t chunks = (op[r + 1] - op[r] + kLongRow - 1) / kLongRow;
-    first_part[r + 1] = first_part[r] + Hkv * chunks;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t c = 0; c < chunks; ++c) {
-        task_row.push_back(r);
-        task_head.push_back(h);
-        task_chunk.push_back(c);
-      }
-  }
-  std::vector<float> parts(first_part[R] * G * (D + 2));
+  const RowTasks tasks = plan_row_tasks(op, R, Hkv, true);
+  std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
   std::vector<int64_t> identity(std::min(kLongRow, op[R] - op[0] + 1));
   std::iota(identity.begin(), identity.end(), 0);
   const float* qp = q.data_ptr<float>();
@@ -460,12 +461,12 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const int8_t* vd = v_data.data_ptr<int8_t>();
   const at::Half* ks = k_scale.data_ptr<at::Half>();
   const at::Half* vs = v_scale.data_ptr<at::Half>();
-  const int64_t num_tasks = int64_t(task_row.size()), work = (op[R] - op[0]) * H;
+  const int64_t num_tasks = int64_t(tasks.row.size()), work = (op[R] - op[0]) * H;
   at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task_row[task], h = task_head[task], c = task_chunk[task], t = rp[r];
-      const int64_t n = op[r + 1] - op[r], chunks = (n + kLongRow - 1) / kLongRow, j0 = c * kLongRow;
+      const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
+      const int64_t n = op[r + 1] - op[r], chunks = num_chunks(n, true), j0 = c * kLongRow;
       const int64_t m = std::min(kLongRow, n - j0);
       if (int64_t(kbuf.size()) < m * D) {
         kbuf.resize(m * D);
@@ -473,12 +474,12 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
       }
       dequant_rows(kd, ks, sp + op[r] + j0, m, Hkv, h, D, kbuf.data());
       dequant_rows(vd, vs, sp + op[r] + j0, m, Hkv, h, D, vbuf.data());
-      float* part = parts.data() + (first_part[r] + h * chunks + c) * G * (D + 2);
+      float* part = parts.data() + (tasks.first_part[r] + h * chunks + c) * G * (D + 2);
       attend_chunk(qp + t * H * D + h * G * D, kbuf.data(), vbuf.data(), identity.data(), m, G, D, D, float(scale),
                    part, buf);
     }
   });
-  merge_chunks(parts, first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
+  merge_chunks(parts, tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
 }
 
 // Quantize-on-write of kv_quant.QuantizedKV in one call: row x[t, h] becomes y = ((x - shift[h]) / smooth[h]) @ R,

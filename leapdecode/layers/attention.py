@@ -201,9 +201,9 @@ def paged_attention(
     use_kernel: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
-    ``use_kernel``: over a float32 CPU cache, the rows of few-token groups (decode tokens, drafts, tree nodes) attend
-    in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not depend on the batch
-    or on being verified among drafts. Returns [T, H, D]."""
+    ``use_kernel``: over a float32 or int8 CPU cache, the rows of few-token groups (decode tokens, drafts, tree
+    nodes) attend in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not
+    depend on the batch or on being verified among drafts. Returns [T, H, D]."""
     if isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV):
         # an int8 cache stores keys as ((k - mu) / s) R and values as v R (kv_quant.py): attend in that basis
         o = _paged_attention(k_cache.query_to_cache_basis(q), k, v, k_cache, v_cache, meta, scale, use_kernel)
