@@ -160,18 +160,16 @@ class KVCache:
                 else:
                     k.observed = None
 
-    def calibrate_keys(self, mode: str = "query-aware") -> int:
+    def calibrate_keys(self) -> int:
         """Set each layer's key shift mu (the mean key) and smoothing s (mean 1 per head) from the statistics
-        gathered since ``observe_keys(True)``; stops observing. ``mode``: ``"query-aware"`` (default) takes
-        ``s = sqrt(rms(k - mu) / rms(q))`` per channel, which minimises the expected error of the attention
-        scores q.k when the rotation spreads each row's rounding error evenly over its channels (the error is
-        ~ sum_c (q_c s_c)^2 * sum_c (k_c / s_c)^2, smallest, by Cauchy-Schwarz, at s_c^2 ~ rms_k / rms_q);
-        ``"keys"`` takes ``s = sqrt(max |k - mu|)`` (keys alone). Only valid while the cache holds no tokens
-        (stored keys would no longer match the queries' basis). Returns the key rows observed per layer."""
+        gathered since ``observe_keys(True)``; stops observing. ``s = sqrt(rms(k - mu) / rms(q))`` per channel
+        minimises the expected error of the attention scores q.k when the rotation spreads each row's rounding
+        error evenly over its channels (the error is ~ sum_c (q_c s_c)^2 * sum_c (k_c / s_c)^2, smallest, by
+        Cauchy-Schwarz, at s_c^2 ~ rms_k / rms_q); keys written with no query seen (no attention ran) fall back to
+        ``s = sqrt(max |k - mu|)``. Only valid while the cache holds no tokens (stored keys would no longer match
+        the queries' basis). Returns the key rows observed per layer."""
         if self.key_shift is None or self.key_smooth is None:
             raise ValueError("only an int8 KV cache has key calibration")
-        if mode not in ("query-aware", "keys"):
-            raise ValueError(f"mode must be 'query-aware' or 'keys', got {mode!r}")
         n = 0
         for i, (k, _) in enumerate(self.layers):
             assert isinstance(k, QuantizedKV)
@@ -180,7 +178,7 @@ class KVCache:
                 continue
             n = int(obs["count"])
             mu = obs["sum"] / obs["count"]
-            if mode == "query-aware" and obs["q_count"] > 0:
+            if obs["q_count"] > 0:
                 k_rms = (obs["sumsq"] / obs["count"] - mu.square()).clamp(min=0).sqrt()
                 q_rms = (obs["q_sumsq"] / obs["q_count"]).sqrt()
                 floor = 1e-3 * k_rms.mean(-1, keepdim=True), 1e-3 * q_rms.mean(-1, keepdim=True)
