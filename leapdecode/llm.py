@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine.llm_engine import LLMEngine
+from leapdecode.models.loader import chat_token_ids
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
@@ -76,11 +77,7 @@ class LLM:
             isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
-        tok = self.engine.tokenizer
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.engine.tokenizer, conversation)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leapdecode.models.loader import chat_token_ids
+
 if TYPE_CHECKING:
     from leapdecode.engine.llm_engine import LLMEngine
 
@@ -45,10 +47,7 @@ def calibration_token_lists(engine: LLMEngine) -> list[list[int]]:
     tok = engine.tokenizer
     lists = []
     if getattr(tok, "chat_template", None):
-        for turn in CHAT_TURNS:
-            ids = tok.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
-                                          tokenize=True)
-            lists.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+        lists += [chat_token_ids(tok, [{"role": "user", "content": turn}]) for turn in CHAT_TURNS]
     else:
         lists += [tok.encode(t) for t in CHAT_TURNS]
     lists += [tok.encode(t) for t in PLAIN_TEXTS]

@@ -317,3 +317,12 @@ def load_tokenizer(path: Path):
             if template:
                 tok.chat_template = template
     return tok
+
+
+def chat_token_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
+    transformers return a BatchEncoding here, older ones a list)."""
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
