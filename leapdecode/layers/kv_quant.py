@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import torch
 
+from leapdecode.layers import small_gemm
+
 QMAX = 127
 GROUP = 16  # channels per int8 scale
 SCALE_DTYPE = torch.float16
@@ -198,8 +200,6 @@ class QuantizedKV:
         """Quantize x [T, Hkv, D] (model basis) and store it at ``slots`` [T]."""
         if self.observed is not None:
             self._observe(x)
-        from leapdecode.layers import small_gemm
-
         if small_gemm.int8_kv_kernels(self):  # the same arithmetic in one C++ call instead of ~12 torch ops
             small_gemm.quantize_kv_rows(x, self, slots.to(torch.long).contiguous())
             return
