@@ -105,7 +105,10 @@ class EngineConfig:
     # few-row projections (decode, verification, small batches), CPU float32 only: "auto" = the packed kernel of
     # layers/small_gemm.py when it builds, reading a GGUF checkpoint's own Q4/Q8 blocks where they reproduce the
     # weights exactly (bit-identical results) and float32 panels elsewhere; "packed" = the same but the kernel
-    # must build; "packed-float32" = float32 panels only; "torch" = F.linear only
+    # must build; "packed-float32" = float32 panels only; "torch" = F.linear only; "packed-int8act" = the Q4/Q8
+    # layers quantize their input rows to int8 per 32 values (llama.cpp's arithmetic, AVX-512 VNNI): faster, and
+    # lossy against the float32 model (opt-in; quality measured in the README), while speculation stays lossless
+    # against plain decoding with the same kernel
     linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
@@ -147,7 +150,7 @@ class EngineConfig:
             isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
             f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
         )
-        kernels = ("auto", "packed", "packed-float32", "torch")
+        kernels = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
         _check(self.linear_kernel in kernels, f"linear_kernel must be one of {kernels}, got {self.linear_kernel!r}")
         if self.linear_kernel.startswith("packed"):
             _check(

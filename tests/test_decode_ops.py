@@ -47,15 +47,16 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
     q = torch.randn(t, hkv * group, head_dim, generator=g) * 2
     rows = torch.randperm(t, generator=g)[: len(lengths)]
     lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ends = torch.tensor(lengths).cumsum(0)
+    spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     scale = head_dim**-0.5
     out = torch.full_like(q, 7.0)
-    small_gemm.attention_rows(q, k_cache, v_cache, rows, offsets, torch.cat(lists), scale, out)
+    small_gemm.attention_rows(q, k_cache, v_cache, rows, spans, torch.cat(lists), scale, out)
     for r, slots in zip(rows.tolist(), lists, strict=True):
         torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots, scale, group), rtol=1e-5,
                                    atol=2e-6)
         alone = torch.empty_like(q)
-        small_gemm.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([0, len(slots)]), slots,
+        small_gemm.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
                                   scale, alone)
         assert torch.equal(alone[r], out[r])
     untouched = sorted(set(range(t)) - set(rows.tolist()))
@@ -80,14 +81,15 @@ def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list
     k_deq, v_deq = (p.read_range(0, num_slots, torch.float32) for p in (k_plane, v_plane))
     q = torch.randn(len(lengths), hkv * group, d, generator=g)
     lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ends = torch.tensor(lengths).cumsum(0)
+    spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     out = torch.empty_like(q)
-    small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.arange(len(lengths)), offsets, torch.cat(lists), 0.125,
+    small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.arange(len(lengths)), spans, torch.cat(lists), 0.125,
                                  out)  # fmt: skip
     for r, slots in enumerate(lists):
         torch.testing.assert_close(out[r], _reference(q[r], k_deq, v_deq, slots, 0.125, group), rtol=1e-5, atol=2e-6)
         alone = torch.empty_like(q)
-        small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.tensor([r]), torch.tensor([0, len(slots)]), slots,
+        small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
                                      0.125, alone)  # fmt: skip
         assert torch.equal(alone[r], out[r])
 
@@ -116,11 +118,36 @@ def test_attention_rows_rejects_bad_indices() -> None:
     k = torch.zeros(8, 1, 16)
     q, out = torch.zeros(2, 1, 16), torch.zeros(2, 1, 16)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([8]), 1.0, out)
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 1]]), torch.tensor([8]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
+        small_gemm.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([[0, 1]]), torch.tensor([0]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 0]), torch.tensor([0]), 1.0, out)
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 0]]), torch.tensor([0]), 1.0, out)
+    with pytest.raises(RuntimeError, match="out of range or sees no position"):  # a span past the slot list
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 2]]), torch.tensor([0]), 1.0, out)
+    with pytest.raises(RuntimeError, match="spans"):  # the old cumulative-offsets form
+        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
+
+
+def test_attention_rows_causal_rows_share_one_slot_list() -> None:
+    """A prompt's causal rows see growing prefixes of one slot list (overlapping spans, as kernel_rows builds
+    them): each row equals the same row attended over its own copied list, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(64, 3, 64, generator=g), torch.randn(64, 3, 64, generator=g)
+    slots = torch.randperm(64, generator=g)[:40]
+    q = torch.randn(9, 9, 64, generator=g)
+    ends = torch.arange(32, 41)  # rows see positions 0 .. 31 + r
+    shared = torch.empty_like(q)
+    small_gemm.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([torch.zeros_like(ends), ends], 1),
+                              slots, 0.125, shared)  # fmt: skip
+    copies = torch.cat([slots[:e] for e in ends.tolist()])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends.cumsum(0)[:-1]])
+    separate = torch.empty_like(q)
+    small_gemm.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([starts, starts + ends], 1), copies,
+                              0.125, separate)  # fmt: skip
+    assert torch.equal(shared, separate)
+    torch.testing.assert_close(shared[3], _reference(q[3], k_cache, v_cache, slots[:35], 0.125, 3), rtol=1e-5,
+                               atol=2e-6)
 
 
 def test_rope_and_silu_mul_match_torch() -> None:

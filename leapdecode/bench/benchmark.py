@@ -56,6 +56,7 @@ class Row:
     ppl: float | None = None  # the target's perplexity of the produced completions (given their prompts)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     num_lossy_tokens: int = 0
+    kernel: str = ""  # the engine's linear_kernel when a run compares several (--linear-kernels); "" = the first
 
 
 def machine_info() -> str:
@@ -300,7 +301,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = load_prompt_set(args.prompts, args.num_prompts)
     command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
         else args.command_line
-    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)))
+    kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
+    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
+               linear_kernel=kernels[0])
     eng = base.engine
     tok = eng.tokenizer
     if args.raw:
@@ -328,17 +331,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ]
     print("\n".join(header), flush=True)
     rows: list[Row] = []
-    for m in methods:
-        cfg = METHOD_DEFAULTS.get(m, {})
-        if cfg is not None:
-            cfg = {**cfg, **overrides.get(m, {})}
-        llm = base if cfg is None else LLM.from_engine_of(base, speculative_config=cfg)
-        r1, rb = run_leapdecode(llm, prompts_ids, params, m, batched=not args.no_batched)
-        rows.append(r1)
-        if rb:
-            rows.append(rb)
-        print(f"  {m}: {r1.tok_per_s:.1f} tok/s at batch 1" + (f", {rb.tok_per_s:.1f} tok/s at batch {rb.batch}"
-                                                                if rb else ""), file=sys.stderr, flush=True)
+    for kernel in kernels:
+        # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
+        # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
+        kbase = base if kernel == kernels[0] else LLM(model=args.model, dtype=args.dtype, device=args.device,
+                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel)
+        if kbase is not base:
+            kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
+        tag = "" if kernel == kernels[0] else kernel
+        for m in methods:
+            cfg = METHOD_DEFAULTS.get(m, {})
+            if cfg is not None:
+                cfg = {**cfg, **overrides.get(m, {})}
+            llm = kbase if cfg is None else LLM.from_engine_of(kbase, speculative_config=cfg)
+            label = f"{m} [{tag}]" if tag else m
+            r1, rb = run_leapdecode(llm, prompts_ids, params, label, batched=not args.no_batched)
+            for r in (r1, rb):
+                if r:
+                    r.kernel = tag
+                    rows.append(r)
+            print(f"  {label}: {r1.tok_per_s:.1f} tok/s at batch 1" + (
+                f", {rb.tok_per_s:.1f} tok/s at batch {rb.batch}" if rb else ""), file=sys.stderr, flush=True)
     eos = list(eng.eos_token_ids)
     if "hf" in compare:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
@@ -346,16 +359,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, what="llama.cpp")
         if r:
             rows.append(r)
-    ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}
+    plain = {(r.kernel, r.batch): r for r in rows if r.system == "leapdecode" and r.method.split(" [")[0] == "none"}
+    ref = {b: r for (k, b), r in plain.items() if k == ""}
     for r in rows:
         base_row = ref.get(r.batch) if r.system == "leapdecode" else ref.get(1)
         if base_row is not None:
             r.speedup = r.tok_per_s / base_row.tok_per_s
-            if r.system == "leapdecode" and r.method != "none":
-                same = sum(a == b for a, b in zip(r.token_ids, base_row.token_ids))
-                r.identical = f"{same}/{len(r.token_ids)}"
-            elif r.system != "leapdecode":
-                same = sum(a == b for a, b in zip(r.token_ids, ref[1].token_ids))
+            cmp = plain.get((r.kernel, r.batch), base_row) if r.system == "leapdecode" else ref[1]
+            if cmp is r:  # a `none` row: the first kernel's is the reference, a further kernel's is compared to it
+                cmp = base_row if r.kernel else None
+            if cmp is not None:
+                same = sum(a == b for a, b in zip(r.token_ids, cmp.token_ids))
                 r.identical = f"{same}/{len(r.token_ids)}"
         if r.batch == 1 and r.system == "leapdecode":
             r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
@@ -370,7 +384,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batched rows are total "
         "output tokens / wall time with all requests submitted at once. speedup is against leapdecode `none` at the "
         "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
-        "time per target step.",
+        "time per target step. Rows labelled [kernel] ran with that linear_kernel; their `identical` column compares "
+        "with `none` under the same kernel (their speedup is still against the first `none`), and `none [kernel]`'s "
+        "own column compares it with the first `none`.",
     ]
     if any(r.ppl is not None for r in rows):
         notes.append("Drift (lossy methods): greedy agreement = mean share of plain greedy's completion reproduced "
@@ -424,6 +440,9 @@ def add_cli(sub) -> None:
     p.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of chat-templated")
     p.add_argument("--prefix-reuse", action="store_true",
                    help="also time a cold and a warm request sharing a long prefix (prefix-cache TTFT)")
+    p.add_argument("--linear-kernels", default="auto",
+                   help="comma list of linear_kernel settings, each run with every method in its own engine, e.g. "
+                   "'auto,packed-int8act' (int8 activations: lossy against float32, opt-in)")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

@@ -83,7 +83,8 @@ class LLMEngine:
         from leapdecode.layers import small_gemm
 
         return small_gemm.enable(
-            model, required=cfg.linear_kernel.startswith("packed"), use_blocks=cfg.linear_kernel != "packed-float32"
+            model, required=cfg.linear_kernel.startswith("packed"), use_blocks=cfg.linear_kernel != "packed-float32",
+            int8_activations=cfg.linear_kernel == "packed-int8act",
         )
 
     # ------------------------------------------------------------------------------------------- requests

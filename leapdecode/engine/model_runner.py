@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from leapdecode.engine.kv_cache import KVCache
-from leapdecode.layers.attention import SeqAttention, build_attention_metadata
+from leapdecode.layers.attention import SMALL_QUERY, SeqAttention, build_attention_metadata
 from leapdecode.models.llama import LlamaForCausalLM
 
 
@@ -71,7 +71,9 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.cat(positions).to(dev)
         slot_mapping = torch.cat(slot_parts).to(dev)
-        meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev)
+        # int8 activations: prompts through the rows kernel too, or a prefix-cache hit would change the output
+        small_query = None if getattr(self.model, "int8_activations", False) else SMALL_QUERY
+        meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query)
         return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
     @torch.inference_mode()

@@ -56,11 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         one = bq.pack()
         copies = a.matrices * weights[0].numel() * 4 // one.numel()  # the same bytes as the float32 set
         blocks[fmt] = (kernel, [one.clone() for _ in range(copies)], bq.dequantize(), one.numel() / 1e6)
+        a8 = bq.pack_int8_activations()  # the same blocks for the int8-activation kernel (opt-in, lossy)
+        blocks[fmt + " int8-act"] = (ext.a8_linear, [a8.clone() for _ in range(copies)], None, a8.numel() / 1e6)
     print(f"{a.matrices} x [{a.out_features}, {a.in_features}] float32 ({mb:.1f} MB each), "
           f"{torch.get_num_threads()} threads; median ms per matrix")
-    print("| rows | torch linear ms | packed f32 ms | packed Q4_1 ms | packed Q8_0 ms | torch / f32 | torch / Q4_1 |"
-          " f32 GB/s | Q4_1 GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows | torch linear ms | packed f32 ms | packed Q4_1 ms | packed Q8_0 ms | Q4_1 int8-act ms |"
+          " Q8_0 int8-act ms | torch / f32 | torch / Q4_1 | torch / Q4_1 int8-act | f32 GB/s | Q4_1 GB/s |"
+          " Q4_1 int8-act GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m in (int(r) for r in a.rows.split(",")):
         x = torch.randn(m, a.in_features, generator=g)
         torch.testing.assert_close(ext.small_linear(x, packed[0]), F.linear(x, weights[0]),
@@ -69,12 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         t_kern = _median_ms_per_matrix(lambda x=x: [ext.small_linear(x, pw) for pw in packed], a.matrices, a.repeats)
         t_blocks = {}
         for fmt, (kernel, copies, dequant, _) in blocks.items():
-            assert torch.equal(kernel(x, copies[0]), ext.small_linear(x, small_gemm.pack(dequant))), fmt
+            if dequant is not None:  # the float-activation block kernels are exact; int8-act is tested elsewhere
+                assert torch.equal(kernel(x, copies[0]), ext.small_linear(x, small_gemm.pack(dequant))), fmt
             t_blocks[fmt] = _median_ms_per_matrix(lambda x=x, k=kernel, c=copies: [k(x, p) for p in c], len(copies),
                                                   a.repeats)
-        q4, q8 = t_blocks["Q4_1"], t_blocks["Q8_0"]
-        print(f"| {m} | {t_torch:.3f} | {t_kern:.3f} | {q4:.3f} | {q8:.3f} | {t_torch / t_kern:.2f}x | "
-              f"{t_torch / q4:.2f}x | {mb / t_kern:.1f} | {blocks['Q4_1'][3] / q4:.1f} |", flush=True)
+        q4, q8, q4a, q8a = (t_blocks[f] for f in ("Q4_1", "Q8_0", "Q4_1 int8-act", "Q8_0 int8-act"))
+        print(f"| {m} | {t_torch:.3f} | {t_kern:.3f} | {q4:.3f} | {q8:.3f} | {q4a:.3f} | {q8a:.3f} | "
+              f"{t_torch / t_kern:.2f}x | {t_torch / q4:.2f}x | {t_torch / q4a:.2f}x | {mb / t_kern:.1f} | "
+              f"{blocks['Q4_1'][3] / q4:.1f} | {blocks['Q4_1 int8-act'][3] / q4a:.1f} |", flush=True)
     return 0
 
 

@@ -216,7 +216,7 @@ static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
 
 // Attention for query rows that each see an explicit list of cache slots (decode tokens, drafts, tree nodes), in
 // place over the paged cache. q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to
-// slots[offsets[r] .. offsets[r+1]) (in position order) and its [H, D] result is written to out[t].
+// slots[spans[r, 0] .. spans[r, 1]) (in position order) and its [H, D] result is written to out[t].
 // Each (row, KV head) is computed alone, in one fixed order, so a token's result depends only on its own query
 // and visible K/V: the same whether it is decoded alone, batched, or verified among drafts or tree candidates.
 // Softmax in float32 with the max subtracted.
@@ -305,11 +305,11 @@ static inline int64_t num_chunks(int64_t n, bool chunk_all) {
   return n > kLongRow || chunk_all ? (n + kLongRow - 1) / kLongRow : 0;
 }
 
-static RowTasks plan_row_tasks(const int64_t* op, int64_t R, int64_t Hkv, bool chunk_all) {
+static RowTasks plan_row_tasks(const int64_t* span, int64_t R, int64_t Hkv, bool chunk_all) {
   RowTasks t;
   t.first_part.assign(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t chunks = num_chunks(op[r + 1] - op[r], chunk_all);
+    const int64_t chunks = num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
     t.first_part[r + 1] = t.first_part[r] + Hkv * chunks;
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t c = chunks ? 0 : -1; c < chunks; ++c) {
@@ -321,25 +321,32 @@ static RowTasks plan_row_tasks(const int64_t* op, int64_t R, int64_t Hkv, bool c
   return t;
 }
 
-// rows [R], offsets [R + 1], slots: int64, contiguous, every row in [0, T) with at least one slot, every slot in
-// [0, num_slots) -- checked once per call, so the kernels can index without bounds checks
-static void check_rows(const torch::Tensor& rows, const torch::Tensor& offsets, const torch::Tensor& slots, int64_t T,
-                       int64_t num_slots, const char* what) {
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong &&
-                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && offsets.is_contiguous() &&
-                  slots.is_contiguous() && offsets.numel() == rows.numel() + 1,
-              what, ": int64 rows [R], offsets [R + 1], slots");
+// rows [R], spans [R, 2], slots: int64, contiguous; row r sees slots[spans[r, 0] .. spans[r, 1]) (spans may overlap:
+// a prompt's causal rows share one slot list, each a longer prefix of it). Every row in [0, T) with at least one
+// slot, every slot in [0, num_slots) -- checked once per call, so the kernels can index without bounds checks.
+// Returns the total number of (row, slot) pairs.
+static int64_t check_rows(const torch::Tensor& rows, const torch::Tensor& spans, const torch::Tensor& slots, int64_t T,
+                          int64_t num_slots, const char* what) {
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && spans.scalar_type() == torch::kLong &&
+                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && spans.is_contiguous() &&
+                  slots.is_contiguous() && spans.dim() == 2 && spans.size(1) == 2 && spans.size(0) == rows.numel(),
+              what, ": int64 rows [R], spans [R, 2], slots");
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows.numel(); ++r)
-    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && op[r] < op[r + 1] && op[r + 1] <= slots.numel(), what, ": row ", r,
-                " is out of range or sees no position");
+  int64_t pairs = 0;
+  for (int64_t r = 0; r < rows.numel(); ++r) {
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && span[2 * r] >= 0 && span[2 * r] < span[2 * r + 1] &&
+                    span[2 * r + 1] <= slots.numel(),
+                what, ": row ", r, " is out of range or sees no position");
+    pairs += span[2 * r + 1] - span[2 * r];
+  }
   for (int64_t i = 0; i < slots.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, what, ": slot out of range");
+  return pairs;
 }
 
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
-                    torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out) {
+                    torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
               "attention_rows: out");
@@ -350,28 +357,28 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const int64_t R = rows.numel(), num_slots = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "attention_rows: head shapes");
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  check_rows(rows, offsets, slots, T, num_slots, "attention_rows");
+  const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows");
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  const RowTasks tasks = plan_row_tasks(op, R, Hkv, false);
+  const RowTasks tasks = plan_row_tasks(span, R, Hkv, false);
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
   const int64_t num_tasks = int64_t(tasks.row.size());
-  const int64_t work = (op[R] - op[0]) * H;  // score count: one thread unless waking a second one pays
+  const int64_t work = pairs * H;  // score count: one thread unless waking a second one pays
   at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
-      const int64_t n = op[r + 1] - op[r];
+      const int64_t n = span[2 * r + 1] - span[2 * r];
       if (c < 0) {
-        attend(qp + t * H * D, kp, vp, sp + op[r], n, h, G, D, Hkv * D, float(scale), outp + t * H * D, buf);
+        attend(qp + t * H * D, kp, vp, sp + span[2 * r], n, h, G, D, Hkv * D, float(scale), outp + t * H * D, buf);
       } else {
         const int64_t j0 = c * kLongRow;
         float* part = parts.data() + (tasks.first_part[r] + h * num_chunks(n, false) + c) * G * (D + 2);
-        attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + op[r] + j0, std::min(kLongRow, n - j0),
+        attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + span[2 * r] + j0, std::min(kLongRow, n - j0),
                      G, D, Hkv * D, float(scale), part, buf);
       }
     }
@@ -437,7 +444,7 @@ static void check_int8_plane(const torch::Tensor& data, const torch::Tensor& sca
 }
 
 void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
-                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                        double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows_i8: q");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
@@ -449,31 +456,31 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   TORCH_CHECK(k_data.size(2) == D && H % Hkv == 0, "attention_rows_i8: head shapes");
   const int64_t R = rows.numel(), num_slots = k_data.size(0);
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  check_rows(rows, offsets, slots, T, num_slots, "attention_rows_i8");
-  const RowTasks tasks = plan_row_tasks(op, R, Hkv, true);
+  const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows_i8");
+  const RowTasks tasks = plan_row_tasks(span, R, Hkv, true);
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
-  std::vector<int64_t> identity(std::min(kLongRow, op[R] - op[0] + 1));
+  std::vector<int64_t> identity(std::min(kLongRow, pairs + 1));
   std::iota(identity.begin(), identity.end(), 0);
   const float* qp = q.data_ptr<float>();
   const int8_t* kd = k_data.data_ptr<int8_t>();
   const int8_t* vd = v_data.data_ptr<int8_t>();
   const at::Half* ks = k_scale.data_ptr<at::Half>();
   const at::Half* vs = v_scale.data_ptr<at::Half>();
-  const int64_t num_tasks = int64_t(tasks.row.size()), work = (op[R] - op[0]) * H;
+  const int64_t num_tasks = int64_t(tasks.row.size()), work = pairs * H;
   at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
-      const int64_t n = op[r + 1] - op[r], chunks = num_chunks(n, true), j0 = c * kLongRow;
+      const int64_t n = span[2 * r + 1] - span[2 * r], chunks = num_chunks(n, true), j0 = c * kLongRow;
       const int64_t m = std::min(kLongRow, n - j0);
       if (int64_t(kbuf.size()) < m * D) {
         kbuf.resize(m * D);
         vbuf.resize(m * D);
       }
-      dequant_rows(kd, ks, sp + op[r] + j0, m, Hkv, h, D, kbuf.data());
-      dequant_rows(vd, vs, sp + op[r] + j0, m, Hkv, h, D, vbuf.data());
+      dequant_rows(kd, ks, sp + span[2 * r] + j0, m, Hkv, h, D, kbuf.data());
+      dequant_rows(vd, vs, sp + span[2 * r] + j0, m, Hkv, h, D, vbuf.data());
       float* part = parts.data() + (tasks.first_part[r] + h * chunks + c) * G * (D + 2);
       attend_chunk(qp + t * H * D + h * G * D, kbuf.data(), vbuf.data(), identity.data(), m, G, D, D, float(scale),
                    part, buf);
@@ -596,7 +603,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);  // kernels/
 // w = [input_norm, qkv_packed, o_packed, post_attention_norm, gate_up_packed, down_packed].
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                             torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   TORCH_CHECK(w.size() == 6, "decoder_layer: 6 weights");
   const int64_t T = x.size(0), d = k_cache.size(2);
@@ -608,7 +615,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   v_cache.index_copy_(0, slot_mapping,
                       qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({T, num_kv_heads, d}));
   auto o = torch::empty_like(q);
-  attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, o);
+  attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, o);
   auto h = x + packed_linear(o.view({T, num_heads * d}), w[2]);
   return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
 }

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -238,18 +240,209 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// int8 activations (opt-in, lossy): llama.cpp's arithmetic for Q4_1 / Q8_0 weights. Each row of x is quantised
+// per block of 32 inputs to int8 with one float scale (dx = max|x| / 127, q = round(x / dx)), and each block's
+// product is an exact integer sum of weight codes times activation codes, done by AVX-512 VNNI (vpdpbusd: 64
+// u8 x s8 products per instruction instead of 16 float FMAs), then scaled:
+//   y += (d_w * dx) * sum(qw * qx) + m_w * (dx * sum(qx))        (Q4: w = d_w * qw + m_w, qw in 0..15)
+//   y += (d_w * dx) * (sum((qw + 128) * qx) - 128 * sum(qx))      (Q8: w = d_w * qw, stored offset to u8)
+// A row's quantisation and sums do not depend on the other rows, so results stay batch-invariant: speculation
+// at this precision is lossless against plain decoding at this precision. Prompts go through it too (any M).
+//
+// Packed layout [N/16, K/32, lines, 64] (the 4-D shape is how packed_linear tells it from the float-activation
+// records), per panel of 16 outputs and block of 32 inputs; in each 64-byte line, output j owns bytes 4j..4j+3:
+//   Q4 (6 lines): d[16] f32 | m[16] f32 | line g = 0..3: byte (j, t) = qw(j, k0+8g+t) | qw(j, k0+8g+4+t) << 4
+//   Q8 (9 lines): d[16] f32 | line g = 0..7: byte (j, t) = qw(j, k0+4g+t) + 128
+constexpr int64_t A8_Q4_LINES = 6, A8_Q8_LINES = 9;
+
+struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
+  std::vector<int8_t> q;
+  std::vector<float> d, s;      // dx and dx * sum(qx) per (row, block)
+  std::vector<int32_t> sum;     // sum(qx) per (row, block)
+};
+
+static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+                  std::vector<int32_t>(M * nb)};
+  for (int64_t b = 0; b < M * nb; ++b) {
+    const float* v = x + b * 32;
+#if defined(__AVX512F__)
+    // the scalar loop below, vectorised: cvtps rounds to nearest even as nearbyint does, and |v * id| <= 127
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t acc = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t acc = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
+      r.q[b * 32 + i] = static_cast<int8_t>(qi);
+      acc += qi;
+    }
+    r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
+#endif
+  }
+  return r;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int R, bool Q4>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+                                  float* __restrict y, int64_t K, int64_t N) {
+  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, rec += REC) {
+    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + 2 * REC + line);
+    __m512i i0[R], i1[R];  // two integer chains per row (even / odd quarter-lines) against vpdpbusd latency
+    for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
+    const int8_t* xb = xq + b * 32;
+    auto xword = [&](int r, int64_t k) {
+      int32_t v;
+      __builtin_memcpy(&v, xb + r * K + k, 4);
+      return _mm512_set1_epi32(v);
+    };
+    if (Q4) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i L = _mm512_loadu_si512(rec + 128 + 64 * g);
+        const __m512i lo = _mm512_and_si512(L, low4), hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          i0[r] = _mm512_dpbusd_epi32(i0[r], lo, xword(r, 8 * g));
+          i1[r] = _mm512_dpbusd_epi32(i1[r], hi, xword(r, 8 * g + 4));
+        }
+      }
+    } else {
+      for (int g = 0; g < 8; g += 2) {
+        const __m512i L0 = _mm512_loadu_si512(rec + 64 + 64 * g), L1 = _mm512_loadu_si512(rec + 128 + 64 * g);
+        for (int r = 0; r < R; ++r) {
+          i0[r] = _mm512_dpbusd_epi32(i0[r], L0, xword(r, 4 * g));
+          i1[r] = _mm512_dpbusd_epi32(i1[r], L1, xword(r, 4 * g + 4));
+        }
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      __m512i isum = _mm512_add_epi32(i0[r], i1[r]);
+      if (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xr.sum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
+      if (Q4) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(rec + 64)),
+                                       _mm512_set1_ps(xr.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+constexpr bool A8_VNNI = true;
+#else  // portable reference: the same integer sums and float steps, one lane at a time (slow, but exact)
+template <int R, bool Q4>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+                                  float* __restrict y, int64_t K, int64_t N) {
+  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  const int64_t nb = K / 32;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = xr.q.data() + (r0 + r) * K;
+    float acc[16] = {};
+    const uint8_t* blk = rec;
+    for (int64_t b = 0; b < nb; ++b, blk += REC) {
+      const int64_t i = (r0 + r) * nb + b;
+      float d[16], m[16];
+      __builtin_memcpy(d, blk, 64);
+      if (Q4) __builtin_memcpy(m, blk + 64, 64);
+      for (int j = 0; j < 16; ++j) {
+        int32_t isum = 0;
+        for (int t = 0; t < 32; ++t) {
+          int32_t w;
+          if (Q4) {
+            const uint8_t byte = blk[128 + 64 * (t / 8) + 4 * j + t % 4];
+            w = (t % 8) < 4 ? (byte & 15) : (byte >> 4);
+          } else {
+            w = blk[64 + 64 * (t / 4) + 4 * j + t % 4];
+          }
+          isum += w * xq[b * 32 + t];
+        }
+        if (!Q4) isum -= 128 * xr.sum[i];
+        acc[j] = std::fma(static_cast<float>(isum), d[j] * xr.d[i], acc[j]);
+        if (Q4) acc[j] = std::fma(m[j], xr.s[i], acc[j]);
+      }
+    }
+    __builtin_memcpy(y + r * N, acc, 64);
+  }
+}
+constexpr bool A8_VNNI = false;
+#endif
+
+template <bool Q4>
+static void rows_x_a8panel_any(int64_t rows, const QuantizedRows& xr, int64_t r0, const uint8_t* rec, float* y,
+                               int64_t K, int64_t N) {
+  switch (rows) {
+    case 1: rows_x_a8panel<1, Q4>(xr, r0, rec, y, K, N); break;
+    case 2: rows_x_a8panel<2, Q4>(xr, r0, rec, y, K, N); break;
+    case 3: rows_x_a8panel<3, Q4>(xr, r0, rec, y, K, N); break;
+    case 4: rows_x_a8panel<4, Q4>(xr, r0, rec, y, K, N); break;
+    case 5: rows_x_a8panel<5, Q4>(xr, r0, rec, y, K, N); break;
+    case 6: rows_x_a8panel<6, Q4>(xr, r0, rec, y, K, N); break;
+    case 7: rows_x_a8panel<7, Q4>(xr, r0, rec, y, K, N); break;
+    default: rows_x_a8panel<8, Q4>(xr, r0, rec, y, K, N); break;
+  }
+}
+
+torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "a8_linear: x must be a contiguous [M, K] float32 tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(3) == 64 && packed.scalar_type() == torch::kUInt8 &&
+                  packed.is_contiguous() && (packed.size(2) == A8_Q4_LINES || packed.size(2) == A8_Q8_LINES),
+              "a8_linear: packed weight must be a contiguous [N/16, K/32, 6 or 9, 64] uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 32 == K, "a8_linear: K mismatch");
+  // any number of rows: at this precision a prompt's rows must be computed exactly as a decoded token's would
+  // be, or a prefix-cache hit (which prefills fewer rows) would change the result; each panel stays in L1/L2
+  // while its chunks of 8 rows pass over it
+  TORCH_CHECK(M >= 1, "a8_linear: at least one row");
+  const bool q4 = packed.size(2) == A8_Q4_LINES;
+  const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t panel_bytes = (K / 32) * packed.size(2) * 64;
+  at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - r0);
+        if (q4) rows_x_a8panel_any<true>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
+        else rows_x_a8panel_any<false>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
+      }
+  });
+  return y;
+}
+
+bool a8_vnni() { return A8_VNNI; }
+
 // y = x @ W^T through whichever packed format W has (float32 panels, Q4 or Q8 records)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
   if (packed.scalar_type() == torch::kFloat32) return small_linear(x, packed);
+  if (packed.dim() == 4) return a8_linear(x, packed);
   return packed.size(2) == Q4_RECORD ? quant_linear<true>(x, packed) : quant_linear<false>(x, packed);
 }
 
 // kernels/decode_ops.cpp, built into the same extension
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
-                    torch::Tensor offsets, torch::Tensor slots, double scale, torch::Tensor out);
+                    torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out);
 void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
-                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                       torch::Tensor v_scale, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                        double scale, torch::Tensor out);
 void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth, torch::Tensor rotation,
                       torch::Tensor slots, torch::Tensor data, torch::Tensor scale);
@@ -257,13 +450,15 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                             torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor offsets, torch::Tensor slots,
+                            torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
+  m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI)");
+  m.def("a8_vnni", &a8_vnni, "whether a8_linear was built with AVX-512 VNNI (else a slow portable loop)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
   m.def("attention_rows_i8", &attention_rows_i8, "the same over an int8 cache (float16 scales per 16 channels)");

@@ -84,27 +84,33 @@ class AttentionMetadata:
 
     def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For the C++ rows kernel (kernels/decode_ops.cpp): every row of the few-row groups not split by
-        split_kv, as (rows [R], offsets [R+1], slots): row ``rows[r]`` sees ``slots[offsets[r]:offsets[r+1]]``,
-        its visible positions in order. Built on first use in a step, then reused by every layer."""
+        split_kv, as (rows [R], spans [R, 2], slots): row ``rows[r]`` sees ``slots[spans[r, 0]:spans[r, 1]]``,
+        its visible positions in order. Causal rows of one sequence share its slot list (row i sees a prefix of
+        it), so a prompt costs O(length) here, not O(length^2); tree rows list their visible slots each. Built
+        on first use in a step, then reused by every layer."""
         if self._rows is None:
-            rows, counts, slots = [], [], []
+            rows, spans, slots = [], [], []
+            base = 0
             for g in self.groups:
                 if g.seqs is None or g.split is not None:
                     continue
                 for s in g.seqs:
                     seq_slots = s.slots()
                     rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
-                    if s.q_len == 1:
+                    if s.tree_mask is None:  # row i sees positions 0 .. ctx_len - q_len + i
+                        ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1)
+                        spans.append(torch.stack([torch.full_like(ends, base), ends + base], dim=1))
                         slots.append(seq_slots)
-                        counts.append(torch.tensor([s.ctx_len]))
+                        base += s.ctx_len
                     else:
                         vis = _visible(s)  # [q_len, ctx_len]: row-major = each row's positions in order
+                        ends = vis.sum(1).cumsum(0) + base
+                        spans.append(torch.stack([torch.cat([ends.new_tensor([base]), ends[:-1]]), ends], dim=1))
                         slots.append(seq_slots.expand(s.q_len, s.ctx_len)[vis])
-                        counts.append(vis.sum(1))
+                        base = int(ends[-1])
             if not rows:
                 return None
-            offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(counts).cumsum(0)])
-            self._rows = (torch.cat(rows), offsets, torch.cat(slots))
+            self._rows = (torch.cat(rows), torch.cat(spans).contiguous(), torch.cat(slots))
         return self._rows
 
 
@@ -120,10 +126,15 @@ def _visible(seq: SeqAttention) -> torch.Tensor:
 
 
 def build_attention_metadata(
-    seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_size: int, device: torch.device
+    seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_size: int, device: torch.device,
+    small_query: int | None = SMALL_QUERY,
 ) -> AttentionMetadata:
-    small = [s for s in seqs if s.q_len <= SMALL_QUERY]
-    large = [s for s in seqs if s.q_len > SMALL_QUERY]
+    """``small_query``: sequences with at most this many new tokens join the few-row groups (the C++ rows kernel
+    on a CPU); ``None`` puts every sequence there, prompts included, so that a prompt token's attention is
+    computed exactly as it would be for a decoded token (needed where rounding is coarse: int8 activations)."""
+    limit = small_query if small_query is not None else max((s.q_len for s in seqs), default=0)
+    small = [s for s in seqs if s.q_len <= limit]
+    large = [s for s in seqs if s.q_len > limit]
     groups: list[AttentionGroup] = []
     for s in large:
         groups.append(_single_group(s, device, fold=False))

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 Q4_RECORD, Q8_RECORD = 384, 576  # bytes per 16 rows x 32 inputs (kernels/small_gemm.cpp)
+A8_Q4_LINES, A8_Q8_LINES = 6, 9  # 64-byte lines per record of the int8-activation layout
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
@@ -184,6 +185,41 @@ class BlockQuantized:
         rows = q.view(torch.uint8).permute(0, 2, 3, 4, 1).reshape(n // 16, nb, 512)
         return torch.cat([per_block(self.scale), rows], dim=-1).contiguous()
 
+    def pack_int8_activations(self) -> torch.Tensor:
+        """The int8-activation kernel's layout: [N/16, K/32, 6 (q4) or 9 (q8) lines, 64] uint8; in each line
+        output j owns bytes 4j..4j+3 (see kernels/small_gemm.cpp ``a8_linear``)."""
+        n, k = self.q.shape
+        nb = k // 32
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(n // 16, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+        if self.kind == "q4":  # (panel, j, block, line g, half h, t): k = 32 b + 8 g + 4 h + t
+            q = self.q.reshape(n // 16, 16, nb, 4, 2, 4)
+            lines = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, nb, 256)
+            rec = torch.cat([per_block(self.scale), per_block(self.minimum), lines], dim=-1)
+        else:  # (panel, j, block, line g, t): k = 32 b + 4 g + t, stored + 128 as unsigned
+            q = (self.q.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, nb, 8, 4)
+            rec = torch.cat([per_block(self.scale), q.permute(0, 2, 3, 1, 4).reshape(n // 16, nb, 512)], dim=-1)
+        return rec.reshape(n // 16, nb, -1, 64).contiguous()
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor) -> BlockQuantized:
+        """Inverse of :meth:`pack`: the blocks back from a float-activation record tensor (packing releases the
+        blocks, and a second packing, e.g. for a low-precision drafter, starts from the records)."""
+        p, nb, rec = packed.shape
+        n, k = p * 16, nb * 32
+
+        def per_row(b: torch.Tensor) -> torch.Tensor:  # [P, nb, 64] bytes -> [N, nb] f32
+            return b.contiguous().view(torch.float32).transpose(1, 2).reshape(n, nb).contiguous()
+
+        if rec == Q4_RECORD:
+            pairs = packed[..., 128:].reshape(p, nb, 16, 16)  # (panel, block, pair i, row j)
+            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).permute(0, 3, 1, 2, 4).reshape(n, k)
+            return cls("q4", q.contiguous(), per_row(packed[..., :64]), per_row(packed[..., 64:128]))
+        rows = packed[..., 64:].reshape(p, nb, 16, 2, 16).view(torch.int8)  # (panel, block, pair, parity, row)
+        return cls("q8", rows.permute(0, 4, 1, 2, 3).reshape(n, k).contiguous(), per_row(packed[..., :64]))
+
 
 def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
     """The blocks exist, fit the kernel's shape rules and still reproduce ``weight`` exactly."""
@@ -199,17 +235,21 @@ def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward).
     ``packed`` is a float32 [N/16, K, 16] panel set or a uint8 block-quantized one (its record size says which)."""
-    if (packed is not None and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and not x.requires_grad
-            and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16: torch's path)
+    if (packed is not None and x.dim() == 2 and 0 < x.shape[0] and (x.shape[0] <= MAX_ROWS or packed.dim() == 4)
+            and not x.requires_grad and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16)
+        # int8-activation records (4-D) serve every row count: the precision must not depend on the batch
         y = _ext.packed_linear(x.contiguous(), packed)  # dispatches on the format, as the fused layer does
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
 
-def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = True) -> int:
+def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = True,
+           int8_activations: bool = False) -> int:
     """Give every packable projection of ``model`` (layers with a ``packed`` slot) its packed copy: from the
     checkpoint's blocks where they reproduce the weight exactly (``use_blocks``; the blocks are then released),
-    else float32 panels. Returns how many were packed (0 when the kernel is unavailable). Idempotent."""
+    else float32 panels. ``int8_activations`` packs block-quantized layers for the int8-activation kernel
+    instead (lossy; float32 panels stay float). Returns how many were packed (0 when the kernel is
+    unavailable). Idempotent."""
     if load_kernel(required) is None:
         return 0
     n = 0
@@ -223,12 +263,14 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
             owner = getattr(mod, "tied_to", None) or mod  # a tied LM head reads the embedding's blocks
             bq = getattr(owner, "block_quantized", None)
             if use_blocks and block_packable(w, bq):
-                mod.packed = bq.pack()
+                mod.packed = bq.pack_int8_activations() if int8_activations else bq.pack()
                 if not hasattr(mod, "get_weight"):  # the packed records hold it all; an LM head's blocks stay
                     owner.block_quantized = None  # for drafters that read out a subset of it (pack_rows)
             else:
                 mod.packed = pack(w)
         n += mod.packed is not None
+    if int8_activations and any(getattr(m, "packed", None) is not None and m.packed.dim() == 4 for m in model.modules()):
+        model.int8_activations = True  # read by the model runner: prompts attend through the rows kernel too
     for mod in model.modules():  # decoder layers run whole in C++ when every projection is packed
         if hasattr(mod, "use_kernel") and hasattr(mod, "mlp") and hasattr(mod, "self_attn"):
             linears = (mod.self_attn.qkv_proj, mod.self_attn.o_proj, mod.mlp.gate_up_proj, mod.mlp.down_proj)
@@ -243,16 +285,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale: float, out: torch.Tensor) -> None:
+def attention_rows(q, k_cache, v_cache, rows, spans, slots, scale: float, out: torch.Tensor) -> None:
     """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
-    ``slots[offsets[r]:offsets[r+1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
-    _ext.attention_rows(q, k_cache, v_cache, rows, offsets, slots, scale, out)
+    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
+    _ext.attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, out)
 
 
-def attention_rows_i8(q, k_plane, v_plane, rows, offsets, slots, scale: float, out: torch.Tensor) -> None:
+def attention_rows_i8(q, k_plane, v_plane, rows, spans, slots, scale: float, out: torch.Tensor) -> None:
     """:func:`attention_rows` over an int8 cache (kv_quant.QuantizedKV planes with 16 channels per scale), reading
     the int8 rows directly; ``q`` must already be in the cache's basis, and ``out`` is in it too."""
-    _ext.attention_rows_i8(q, k_plane.data, k_plane.scale, v_plane.data, v_plane.scale, rows, offsets, slots, scale,
+    _ext.attention_rows_i8(q, k_plane.data, k_plane.scale, v_plane.data, v_plane.scale, rows, spans, slots, scale,
                            out)  # fmt: skip
 
 
@@ -302,6 +344,11 @@ def packed_formats(model: torch.nn.Module) -> dict[str, int]:
     for mod in model.modules():
         p = getattr(mod, "packed", None)
         if isinstance(p, torch.Tensor):
-            kind = "float32" if p.dtype == torch.float32 else ("q4" if p.shape[2] == Q4_RECORD else "q8")
+            if p.dtype == torch.float32:
+                kind = "float32"
+            elif p.dim() == 4:  # int8-activation records
+                kind = "q4-int8act" if p.shape[2] == A8_Q4_LINES else "q8-int8act"
+            else:
+                kind = "q4" if p.shape[2] == Q4_RECORD else "q8"
             counts[kind] = counts.get(kind, 0) + 1
     return counts
