@@ -269,7 +269,8 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
             else:
                 mod.packed = pack(w)
         n += mod.packed is not None
-    if int8_activations and any(getattr(m, "packed", None) is not None and m.packed.dim() == 4 for m in model.modules()):
+    if int8_activations and any(isinstance(getattr(m, "packed", None), torch.Tensor) and m.packed.dim() == 4
+                                for m in model.modules()):
         model.int8_activations = True  # read by the model runner: prompts attend through the rows kernel too
     for mod in model.modules():  # decoder layers run whole in C++ when every projection is packed
         if hasattr(mod, "use_kernel") and hasattr(mod, "mlp") and hasattr(mod, "self_attn"):
