@@ -155,6 +155,8 @@ static inline void weighted_rows_heads(const float* p, int64_t np, const float* 
     for (int c = 0; c < C; ++c) acc[g][c] = v16f{};
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + slots[j] * row;
+    if (j + 8 < n)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(v + slots[j + 8] * row + 16 * c);
     v16f x[C];
     for (int c = 0; c < C; ++c) __builtin_memcpy(&x[c], vj + 16 * c, 64);
     for (int g = 0; g < NG; ++g) {
@@ -214,6 +216,72 @@ static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
   return hsum(acc);
 }
 
+#if defined(__AVX512F__)
+// the lane sums of four vectors as four floats, by one fixed tree (14 shuffles and adds for 4 sums, against ~8
+// per sum for one vector at a time)
+static inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));  // 128-bit quarter i holds vector i's partial sums
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         0, 0, 0), z));
+}
+
+// scores sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads of one KV head (k at the head's
+// offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 8 keys ahead
+template <int NG, int G>
+static void score_rows(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, float scale,
+                       float* sh, int64_t np) {
+  constexpr int64_t D = 16 * NG;
+  __m512 qv[G][NG];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NG; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
+  auto score = [&](const float* kj, int g) {
+    __m512 a = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kj));
+    for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kj + 16 * c), a);
+    return a;
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      if (j + u + 8 < n)
+        for (int c = 0; c < NG; ++c) __builtin_prefetch(k + slots[j + u + 8] * row + 16 * c);
+      const float* kj = k + slots[j + u] * row;
+      for (int g = 0; g < G; ++g) acc[g][u] = score(kj, g);
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(sh + g * np + j, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) sh[g * np + j] = _mm512_reduce_add_ps(score(k + slots[j] * row, g)) * scale;
+}
+
+// score_rows for this shape, or nullptr (then: one dot product per key and head)
+typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+static ScoreFn score_rows_for(int64_t D, int64_t G) {
+  if (D == 64) {
+    switch (G) {
+      case 1: return score_rows<4, 1>;
+      case 2: return score_rows<4, 2>;
+      case 3: return score_rows<4, 3>;
+      case 4: return score_rows<4, 4>;
+    }
+  } else if (D == 128) {
+    switch (G) {
+      case 1: return score_rows<8, 1>;
+      case 2: return score_rows<8, 2>;
+    }
+  }
+  return nullptr;
+}
+#else
+typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+static ScoreFn score_rows_for(int64_t, int64_t) { return nullptr; }
+#endif
+
 // Attention for query rows that each see an explicit list of cache slots (decode tokens, drafts, tree nodes), in
 // place over the paged cache. q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to
 // slots[spans[r, 0] .. spans[r, 1]) (in position order) and its [H, D] result is written to out[t].
@@ -225,9 +293,13 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
   const int64_t np = (n + 15) / 16 * 16;  // scores padded to whole vectors
   if (int64_t(buf.size()) < G * np) buf.resize(G * np);
   float* sh = buf.data();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = kp + slots[j] * row + h * D;
-    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + (h * G + g) * D, kj, D) * scale;
+  if (const ScoreFn fn = score_rows_for(D, G)) {
+    fn(q + h * G * D, kp + h * D, slots, n, row, scale, sh, np);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = kp + slots[j] * row + h * D;
+      for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + (h * G + g) * D, kj, D) * scale;
+    }
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sh + g * np;
@@ -253,10 +325,14 @@ static void attend_chunk(const float* q, const float* k, const float* v, const i
   const int64_t np = (n + 15) / 16 * 16;
   if (int64_t(buf.size()) < G * np) buf.resize(G * np);
   float* sh = buf.data();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + slots[j] * row;
-    if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
-    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
+  if (const ScoreFn fn = score_rows_for(D, G)) {
+    fn(q, k, slots, n, row, scale, sh, np);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + slots[j] * row;
+      if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
+      for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
+    }
   }
   for (int64_t g = 0; g < G; ++g) {
     float* rec = part + g * (D + 2);
@@ -308,11 +384,13 @@ static inline int64_t num_chunks(int64_t n, bool chunk_all) {
 static RowTasks plan_row_tasks(const int64_t* span, int64_t R, int64_t Hkv, bool chunk_all) {
   RowTasks t;
   t.first_part.assign(R + 1, 0);
+  // chunk-major: the KV heads of one chunk are neighbouring tasks, so a thread usually takes all of them in a row
+  // and the 2nd and 3rd head find the chunk's cache lines (rows hold every head: [slot, Hkv, D]) still in L2
   for (int64_t r = 0; r < R; ++r) {
     const int64_t chunks = num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
     t.first_part[r + 1] = t.first_part[r] + Hkv * chunks;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t c = chunks ? 0 : -1; c < chunks; ++c) {
+    for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
+      for (int64_t h = 0; h < Hkv; ++h) {
         t.row.push_back(r);
         t.head.push_back(h);
         t.chunk.push_back(c);
@@ -443,6 +521,109 @@ static void check_int8_plane(const torch::Tensor& data, const torch::Tensor& sca
               what, ": scales must be contiguous float16 [slots, Hkv, D/16]");
 }
 
+#if defined(__AVX512F__)
+// one int8 row (NG groups of 16 channels, one float16 scale each) as NG float vectors
+template <int NG>
+static inline void load_row_i8(const int8_t* codes, const at::Half* scales, __m512* out) {
+  float sc[NG];
+  if (NG == 4) {
+    _mm_storeu_ps(sc, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
+  } else {
+    for (int c = 0; c < NG; ++c) sc[c] = _cvtsh_ss(scales[c].x);
+  }
+  for (int c = 0; c < NG; ++c)
+    out[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)))),
+                           _mm512_set1_ps(sc[c]));
+}
+
+// attend_chunk straight from the int8 cache (no dequantised scratch): G query heads q [G, D] of KV head h over
+// the rows slots[0 .. n), D = 16 NG. Scores four keys at a time (hsum4), then the same exp_scores, then each V row
+// rebuilt once in registers for all G heads. part: G records [m, s, o[0 .. D)], as attend_chunk's.
+template <int NG, int G>
+static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks, const int8_t* vd,
+                            const at::Half* vs, const int64_t* slots, int64_t n, int64_t Hkv, int64_t h,
+                            float scale, float* part, std::vector<float>& buf) {
+  constexpr int64_t D = 16 * NG;
+  const int64_t np = (n + 15) / 16 * 16;
+  if (int64_t(buf.size()) < G * np) buf.resize(G * np);
+  float* sh = buf.data();
+  __m512 qv[G][NG];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NG; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
+  auto row_of = [&](int64_t j) { return slots[j] * Hkv + h; };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      if (j + u + 8 < n) {
+        __builtin_prefetch(kd + row_of(j + u + 8) * D);
+        __builtin_prefetch(vd + row_of(j + u + 8) * D);
+      }
+      __m512 kf[NG];
+      load_row_i8<NG>(kd + row_of(j + u) * D, ks + row_of(j + u) * NG, kf);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
+        for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], kf[c], a);
+        acc[g][u] = a;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(sh + g * np + j, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j) {  // the last n % 4 keys: the same products, summed lane by lane
+    __m512 kf[NG];
+    load_row_i8<NG>(kd + row_of(j) * D, ks + row_of(j) * NG, kf);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
+      for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], kf[c], a);
+      sh[g * np + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* rec = part + g * (D + 2);
+    rec[1] = exp_scores(sh + g * np, n, np, &rec[0]);
+  }
+  __m512 o[G][NG];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NG; ++c) o[g][c] = _mm512_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    __m512 vf[NG];
+    load_row_i8<NG>(vd + row_of(j) * D, vs + row_of(j) * NG, vf);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(sh[g * np + j]);
+      for (int c = 0; c < NG; ++c) o[g][c] = _mm512_fmadd_ps(vf[c], pj, o[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NG; ++c) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * c, o[g][c]);
+}
+
+// the fused chunk routine for this shape, or nullptr (then: dequantise into a scratch and attend_chunk)
+typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const int8_t*, const at::Half*,
+                          const int64_t*, int64_t, int64_t, int64_t, float, float*, std::vector<float>&);
+static ChunkI8Fn chunk_i8_for(int64_t D, int64_t G) {
+  if (D == 64) {
+    switch (G) {
+      case 1: return attend_chunk_i8<4, 1>;
+      case 2: return attend_chunk_i8<4, 2>;
+      case 3: return attend_chunk_i8<4, 3>;
+      case 4: return attend_chunk_i8<4, 4>;
+    }
+  } else if (D == 128) {
+    switch (G) {
+      case 1: return attend_chunk_i8<8, 1>;
+      case 2: return attend_chunk_i8<8, 2>;
+    }
+  }
+  return nullptr;
+}
+#else
+typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const int8_t*, const at::Half*,
+                          const int64_t*, int64_t, int64_t, int64_t, float, float*, std::vector<float>&);
+static ChunkI8Fn chunk_i8_for(int64_t, int64_t) { return nullptr; }
+#endif
+
 void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
                        torch::Tensor v_scale, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                        double scale, torch::Tensor out) {
@@ -469,19 +650,24 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const at::Half* ks = k_scale.data_ptr<at::Half>();
   const at::Half* vs = v_scale.data_ptr<at::Half>();
   const int64_t num_tasks = int64_t(tasks.row.size()), work = pairs * H;
+  const ChunkI8Fn fused = chunk_i8_for(D, G);  // the common shapes read the int8 rows in registers
   at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
       const int64_t n = span[2 * r + 1] - span[2 * r], chunks = num_chunks(n, true), j0 = c * kLongRow;
       const int64_t m = std::min(kLongRow, n - j0);
+      float* part = parts.data() + (tasks.first_part[r] + h * chunks + c) * G * (D + 2);
+      if (fused != nullptr) {
+        fused(qp + t * H * D + h * G * D, kd, ks, vd, vs, sp + span[2 * r] + j0, m, Hkv, h, float(scale), part, buf);
+        continue;
+      }
       if (int64_t(kbuf.size()) < m * D) {
         kbuf.resize(m * D);
         vbuf.resize(m * D);
       }
       dequant_rows(kd, ks, sp + span[2 * r] + j0, m, Hkv, h, D, kbuf.data());
       dequant_rows(vd, vs, sp + span[2 * r] + j0, m, Hkv, h, D, vbuf.data());
-      float* part = parts.data() + (tasks.first_part[r] + h * chunks + c) * G * (D + 2);
       attend_chunk(qp + t * H * D + h * G * D, kbuf.data(), vbuf.data(), identity.data(), m, G, D, D, float(scale),
                    part, buf);
     }
