@@ -155,8 +155,8 @@ static inline void weighted_rows_heads(const float* p, int64_t np, const float* 
     for (int c = 0; c < C; ++c) acc[g][c] = v16f{};
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + slots[j] * row;
-    if (j + 8 < n)
-      for (int c = 0; c < C; ++c) __builtin_prefetch(v + slots[j + 8] * row + 16 * c);
+    if (j + 16 < n)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(v + slots[j + 16] * row + 16 * c);
     v16f x[C];
     for (int c = 0; c < C; ++c) __builtin_memcpy(&x[c], vj + 16 * c, 64);
     for (int g = 0; g < NG; ++g) {
@@ -230,7 +230,7 @@ static inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // scores sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads of one KV head (k at the head's
-// offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 8 keys ahead
+// offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 16 keys ahead
 template <int NG, int G>
 static void score_rows(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, float scale,
                        float* sh, int64_t np) {
@@ -247,8 +247,8 @@ static void score_rows(const float* q, const float* k, const int64_t* slots, int
   for (; j + 4 <= n; j += 4) {
     __m512 acc[G][4];
     for (int u = 0; u < 4; ++u) {
-      if (j + u + 8 < n)
-        for (int c = 0; c < NG; ++c) __builtin_prefetch(k + slots[j + u + 8] * row + 16 * c);
+      if (j + u + 16 < n)
+        for (int c = 0; c < NG; ++c) __builtin_prefetch(k + slots[j + u + 16] * row + 16 * c);
       const float* kj = k + slots[j + u] * row;
       for (int g = 0; g < G; ++g) acc[g][u] = score(kj, g);
     }
@@ -522,6 +522,8 @@ static void check_int8_plane(const torch::Tensor& data, const torch::Tensor& sca
 }
 
 #if defined(__AVX512F__)
+constexpr int64_t kAhead = 32;  // rows prefetched ahead: ~15 cycles per row against ~300 for a line from DRAM
+
 // one int8 row (NG groups of 16 channels, one float16 scale each) as NG float vectors
 template <int NG>
 static inline void load_row_i8(const int8_t* codes, const at::Half* scales, __m512* out) {
@@ -556,9 +558,9 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
   for (; j + 4 <= n; j += 4) {
     __m512 acc[G][4];
     for (int u = 0; u < 4; ++u) {
-      if (j + u + 8 < n) {
-        __builtin_prefetch(kd + row_of(j + u + 8) * D);
-        __builtin_prefetch(vd + row_of(j + u + 8) * D);
+      if (j + u + kAhead < n) {
+        __builtin_prefetch(kd + row_of(j + u + kAhead) * D);
+        __builtin_prefetch(ks + row_of(j + u + kAhead) * NG);
       }
       __m512 kf[NG];
       load_row_i8<NG>(kd + row_of(j + u) * D, ks + row_of(j + u) * NG, kf);
@@ -588,6 +590,10 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NG; ++c) o[g][c] = _mm512_setzero_ps();
   for (j = 0; j < n; ++j) {
+    if (j + kAhead < n) {
+      __builtin_prefetch(vd + row_of(j + kAhead) * D);
+      __builtin_prefetch(vs + row_of(j + kAhead) * NG);
+    }
     __m512 vf[NG];
     load_row_i8<NG>(vd + row_of(j) * D, vs + row_of(j) * NG, vf);
     for (int g = 0; g < G; ++g) {
