@@ -10,7 +10,8 @@ context only). ``step`` feeds each window in pieces of that many tokens (``step=
 attends to the int8 cache of all earlier ones exactly as in generation); the default is one prefill per window.
 
 Run: ``python -m leapdecode.eval.perplexity --kv-cache-dtype auto,int8`` (bundled model, first 4096 tokens of
-``../shared/data/wikitext2/test.txt``, windows of 512).
+``../shared/data/wikitext2/test.txt``, windows of 512); ``--linear-kernel auto,packed-int8act`` measures int8
+activations.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list, e.g. auto,int8 (the first is the baseline)")
+    ap.add_argument("--linear-kernel", default="auto",
+                    help="comma list, e.g. auto,packed-int8act (int8 activations); every KV dtype runs with each")
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
@@ -128,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, PerplexityResult] = {}
     tokens: list[int] = []
     blocks = -(-a.window // 16) + 1
-    for kv in a.kv_cache_dtype.split(","):
-        llm = LLM(model=a.model, dtype=a.dtype, kv_cache_blocks=blocks, kv_cache_dtype=kv)
-        tokens = tokens or load_tokens(llm.get_tokenizer(), a.data, a.max_tokens)
-        results[kv] = perplexity(llm.engine, tokens, a.window, a.step)
-        del llm
+    kernels = a.linear_kernel.split(",")
+    for kernel in kernels:
+        for kv in a.kv_cache_dtype.split(","):
+            llm = LLM(model=a.model, dtype=a.dtype, kv_cache_blocks=blocks, kv_cache_dtype=kv, linear_kernel=kernel)
+            tokens = tokens or load_tokens(llm.get_tokenizer(), a.data, a.max_tokens)
+            label = kv if len(kernels) == 1 else f"{kv} linear_kernel={kernel}"
+            results[label] = perplexity(llm.engine, tokens, a.window, a.step)
+            del llm
     base = next(iter(results.values()))
     if a.json:
         print(json.dumps({k: asdict(r) | {"delta": r.perplexity - base.perplexity} for k, r in results.items()}))
