@@ -9,6 +9,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SPEC_METHODS = ("ngram", "draft_model", "self_spec", "medusa", "hybrid", "blockwise", "auto")
+LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -35,6 +36,10 @@ class SpeculativeConfig:
     lower_below: float = 0.5
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
+    # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
+    # int8 activations while the target verifies in float32 -- mixed precision by phase (technique brief §6);
+    # None = the target's. With "model": "target" the drafter is the target model itself.
+    draft_linear_kernel: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -68,6 +73,10 @@ class SpeculativeConfig:
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
         _check(self.method != "draft_model" or bool(self.model), 'method "draft_model" needs "model": PATH')
+        _check(
+            self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,
+            f"draft_linear_kernel must be None or one of {LINEAR_KERNELS}, got {self.draft_linear_kernel!r}",
+        )
 
     @property
     def max_draft_tokens(self) -> int:
@@ -150,7 +159,7 @@ class EngineConfig:
             isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
             f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
         )
-        kernels = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
+        kernels = LINEAR_KERNELS
         _check(self.linear_kernel in kernels, f"linear_kernel must be one of {kernels}, got {self.linear_kernel!r}")
         if self.linear_kernel.startswith("packed"):
             _check(

@@ -115,3 +115,36 @@ def test_bundled_model_at_int8_activations_is_lossless_under_speculation() -> No
     for method in ("ngram", "medusa"):
         spec = LLM.from_engine_of(llm, speculative_config={"method": method, "use_cost_model": False})
         assert [o.outputs[0].token_ids for o in spec.chat(conv, params, use_tqdm=False)] == plain, method
+
+
+def test_draft_model_can_be_the_target_at_another_precision(tiny_model_dir) -> None:
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, params, use_tqdm=False)]
+    spec = LLM.from_engine_of(llm, speculative_config={"method": "draft_model", "model": "target",
+                                                       "draft_linear_kernel": "packed-float32",
+                                                       "num_speculative_tokens": 3, "use_cost_model": False})
+    out = spec.generate(SPEC_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == plain
+    # the same weights in another kernel format: the drafts are the target's own tokens
+    assert sum(o.metrics.num_accepted_tokens for o in out) == sum(o.metrics.num_draft_tokens for o in out) > 0
+    with pytest.raises(ValueError, match="draft_linear_kernel"):
+        LLM.from_engine_of(llm, speculative_config={"method": "draft_model", "model": "target",
+                                                    "draft_linear_kernel": "int4"})
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_int8_activation_draft_of_the_bundled_model_is_verified_losslessly(bundled_llm) -> None:
+    """Mixed precision by phase: the target drafts itself with int8 activations, float32 verifies."""
+    conv = [[{"role": "user", "content": q}] for q in ("Name three colours.", "What is 12 times 7? Explain.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = [o.outputs[0].token_ids for o in bundled_llm.chat(conv, params, use_tqdm=False)]
+    spec = LLM.from_engine_of(bundled_llm, speculative_config={
+        "method": "draft_model", "model": "target", "draft_linear_kernel": "packed-int8act",
+        "num_speculative_tokens": 4, "use_cost_model": False})
+    assert small_gemm.packed_formats(spec.engine.speculator.proposer.model).get("q4-int8act", 0) >= 120
+    out = spec.chat(conv, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == plain
+    drafted = sum(o.metrics.num_draft_tokens for o in out)
+    assert sum(o.metrics.num_accepted_tokens for o in out) >= 0.7 * drafted > 0

@@ -258,9 +258,12 @@ def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
             continue
         fracs = [identical_prefix(a, b) / max(1, len(b)) for a, b in zip(r.token_ids, base.token_ids)]
         r.agreement = sum(fracs) / max(1, len(fracs))
-        r.top1_share = 1.0 - r.num_lossy_tokens / max(1, r.output_tokens)
-        nll = [completion_nll(engine, p, o) for p, o in zip(prompts_ids, r.token_ids)]
-        r.ppl = math.exp(sum(a for a, _ in nll) / max(1, sum(n for _, n in nll)))
+        scored = [completion_nll(engine, p, o, top1=True) for p, o in zip(prompts_ids, r.token_ids)]
+        r.ppl = math.exp(sum(s[0] for s in scored) / max(1, sum(s[1] for s in scored)))
+        if r.kernel:  # another precision: which of its tokens the reference model would have chosen, teacher-forced
+            r.top1_share = sum(s[2] for s in scored) / max(1, sum(s[1] for s in scored))
+        else:  # the reference model's own run: exactly the tokens no lossy acceptance rule let through
+            r.top1_share = 1.0 - r.num_lossy_tokens / max(1, r.output_tokens)
 
 
 def format_table(rows: list[Row]) -> str:

@@ -74,17 +74,21 @@ class LLMEngine:
 
             self.speculator = Speculator(self, config.speculative_config)
 
-    def pack_linears(self, model) -> int:
-        """Give ``model`` (the target, or a draft model sharing this engine's settings) the few-row linear
-        kernel where the configuration allows it (layers/small_gemm.py); returns how many layers use it."""
+    def pack_linears(self, model, linear_kernel: str | None = None) -> int:
+        """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
+        it (layers/small_gemm.py): ``linear_kernel`` (default: this engine's setting) picks the format. Returns
+        how many layers use it."""
         cfg = self.config
-        if cfg.linear_kernel == "torch" or self.device.type != "cpu" or cfg.torch_dtype != torch.float32:
+        kernel = linear_kernel or cfg.linear_kernel
+        if kernel == "torch" or self.device.type != "cpu" or cfg.torch_dtype != torch.float32:
+            if kernel.startswith("packed") and linear_kernel is not None:
+                raise ValueError(f"linear_kernel={kernel!r} is for CPU float32 models")
             return 0
         from leapdecode.layers import small_gemm
 
         return small_gemm.enable(
-            model, required=cfg.linear_kernel.startswith("packed"), use_blocks=cfg.linear_kernel != "packed-float32",
-            int8_activations=cfg.linear_kernel == "packed-int8act",
+            model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
+            int8_activations=kernel == "packed-int8act",
         )
 
     # ------------------------------------------------------------------------------------------- requests

@@ -72,18 +72,22 @@ def window_nll(engine, tokens: list[int], step: int | None = None) -> tuple[floa
 
 
 @torch.inference_mode()
-def completion_nll(engine, prompt: list[int], output: list[int]) -> tuple[float, int]:
+def completion_nll(engine, prompt: list[int], output: list[int], top1: bool = False):
     """Summed NLL (nats) of ``output`` given ``prompt`` and the output before each token, and how many tokens
     were scored: the target's own judgement of text a (possibly lossy) decoding method produced. One prefill
-    through the engine's runner on borrowed blocks."""
+    through the engine's runner on borrowed blocks. ``top1`` adds a third value: how many output tokens were the
+    target's top choice given the text before them."""
     if not output:
-        return 0.0, 0
+        return (0.0, 0, 0) if top1 else (0.0, 0)
     tokens = list(prompt) + list(output)
     with engine.block_manager.borrowed(len(tokens), f"scoring {len(tokens)} tokens") as table:
         rows = list(range(len(prompt) - 1, len(tokens) - 1))
         (res,) = engine.runner.execute([ForwardItem(table, 0, tokens, rows)])
         targets = torch.tensor(output, device=res.logits.device)
-        return F.cross_entropy(res.logits.float(), targets, reduction="sum").item(), len(output)
+        nll = F.cross_entropy(res.logits.float(), targets, reduction="sum").item()
+        if top1:
+            return nll, len(output), int((res.logits.argmax(-1) == targets).sum())
+        return nll, len(output)
 
 
 def perplexity(engine, tokens: list[int], window: int = 512, step: int | None = None) -> PerplexityResult:

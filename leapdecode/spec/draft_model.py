@@ -1,5 +1,8 @@
 """A separate, smaller draft model with the target's tokenizer, run through its own paged KV cache.
 
+The draft may run at a lower precision than the target (``draft_linear_kernel``, e.g. int8 activations): the
+target still verifies every token, so the output stays the target's (mixed precision by phase, brief §6).
+
 The draft keeps a shadow of every target sequence: its own block table and how many leading tokens it has K/V
 for. Each step it first *catches up* (feeds the committed tokens it has not seen, usually the bonus token plus the
 last accepted draft, or a whole prompt for a new sequence) and then drafts autoregressively, all sequences of the
@@ -79,12 +82,14 @@ class DraftModelProposer(ShadowCacheProposer):
         self.step_cost_fn = None  # set by the speculator after calibration
 
     @classmethod
-    def from_path(cls, path: str, engine) -> DraftModelProposer:
+    def from_path(cls, path: str, engine, linear_kernel: str | None = None) -> DraftModelProposer:
+        """Load the draft from ``path`` (``"target"``: the target's own checkpoint, loaded a second time, which
+        with ``linear_kernel="packed-int8act"`` is a low-precision copy of the target as its drafter)."""
         from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 
-        p = resolve_model(path)
+        p = engine.model_path if path == "target" else resolve_model(path)
         model, _ = load_model(p, engine.config.torch_dtype, engine.device)
-        engine.pack_linears(model)
+        engine.pack_linears(model, linear_kernel)
         check_same_tokenizer(engine.tokenizer, load_tokenizer(p) if engine.tokenizer is not None else None)
         return cls(model, None, engine.model_config.vocab_size, engine.block_manager.num_blocks,
                    engine.config.block_size, engine.device, engine.config.torch_dtype, engine.max_model_len)

@@ -41,7 +41,7 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
     if method == "draft_model":
         from leapdecode.spec.draft_model import DraftModelProposer
 
-        return DraftModelProposer.from_path(cfg.model, engine)  # type: ignore[arg-type]
+        return DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)  # type: ignore[arg-type]
     if method == "medusa":
         from leapdecode.spec.medusa import MedusaProposer
 
