@@ -297,3 +297,50 @@ def test_engine_calibrates_at_start_up_and_returns_its_blocks(tiny_model_dir):
     assert off.engine.kv_cache.calibrated_tokens == 0 and bool((off.engine.kv_cache.key_smooth == 1).all())
     with pytest.raises(ValueError, match="kv_calibration"):
         EngineConfig(kv_calibration="yes")
+
+
+@pytest.mark.skipif(small_gemm.load_kernel() is None, reason="no C++ toolchain to build the kernel")
+def test_fused_int8_layer_equals_the_per_op_path_bitwise(tiny_model_dir):
+    """Decode and verification steps over an int8 cache run each decoder layer in one C++ call
+    (decoder_layer_i8); it must give the bits of the per-op path (query into the cache basis, quantizing write,
+    int8 rows kernel, output rotation), or a token's result would depend on which path its step took."""
+    from leapdecode import LLM
+    from leapdecode.engine.model_runner import ForwardItem
+    from leapdecode.models.llama import DecoderLayer
+
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype="int8")
+    eng = llm.engine
+    assert eng.kv_cache.layers[0][0].shift is not None  # calibrated: the full transform is exercised
+    layers = [m for m in eng.model.modules() if isinstance(m, DecoderLayer)]
+    calls = []
+    real = small_gemm.decoder_layer_i8
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    prompt = list(range(300, 330))
+    steps = [[5], [6], [7, 8, 9, 10], [11]]  # decode, decode, a 4-token verification, decode
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        for m in layers:
+            m.use_kernel = fused
+        table = list(range(8))
+        out = [eng.runner.execute([ForwardItem(table, 0, prompt, [len(prompt) - 1])])[0].logits]
+        pos = len(prompt)
+        for toks in steps:
+            out.append(eng.runner.execute([ForwardItem(table, pos, toks, list(range(len(toks))))])[0].logits)
+            pos += len(toks)
+        return out
+
+    small_gemm.decoder_layer_i8 = counted
+    try:
+        fused = run(True)
+        assert len(calls) == len(steps) * len(layers)  # every decode/verify step took the fused layer
+        per_op = run(False)
+    finally:
+        small_gemm.decoder_layer_i8 = real
+        for m in layers:
+            m.use_kernel = True
+    for a, b in zip(fused, per_op, strict=True):
+        assert torch.equal(a, b)

@@ -811,3 +811,36 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   auto h = x + packed_linear(o.view({T, num_heads * d}), w[2]);
   return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
 }
+
+// decoder_layer over an int8 KV cache (layers/kv_quant.py QuantizedKV planes): the same steps as the per-op path
+// of models/llama.py with attention.paged_attention on int8 planes -- queries into the cache's basis ((q s) @ R),
+// keys and values quantized on write, the int8 rows kernel, outputs back out of the value basis (@ R^T) -- with
+// the same torch ops in the same order, so both paths give the same bits. planes: k_data, k_scale, v_data,
+// v_scale; transform: k_shift, k_smooth, k_rotation, v_rotation (each may be empty = identity).
+torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
+                               torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> planes,
+                               std::vector<torch::Tensor> transform, torch::Tensor slot_mapping, torch::Tensor rows,
+                               torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                               double eps, double scale) {
+  TORCH_CHECK(w.size() == 6 && planes.size() == 4 && transform.size() == 4,
+              "decoder_layer_i8: 6 weights, 4 planes, 4 transforms");
+  const torch::Tensor &k_shift = transform[0], &k_smooth = transform[1], &k_rot = transform[2],
+                      &v_rot = transform[3];
+  const int64_t T = x.size(0), d = planes[0].size(2), G = num_heads / num_kv_heads;
+  auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  rope_(qkv, cos, sin_signed, num_heads + num_kv_heads);
+  auto q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});
+  if (k_smooth.numel()) q = (q.view({T, num_kv_heads, G, d}) * k_smooth.unsqueeze(1)).view({T, num_heads, d});
+  q = k_rot.numel() ? q.matmul(k_rot) : q.contiguous();
+  auto k = qkv.narrow(1, num_heads * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
+  auto v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
+  const auto empty = x.new_empty({0});
+  quantize_kv_rows(k, k_shift, k_smooth, k_rot, slot_mapping, planes[0], planes[1]);
+  quantize_kv_rows(v, empty, empty, v_rot, slot_mapping, planes[2], planes[3]);
+  auto o = torch::empty_like(q);
+  attention_rows_i8(q.contiguous(), planes[0], planes[1], planes[2], planes[3], rows, spans, slots, scale, o);
+  if (v_rot.numel()) o = o.matmul(v_rot.t());
+  auto h = x + packed_linear(o.contiguous().view({T, num_heads * d}), w[2]);
+  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
+}

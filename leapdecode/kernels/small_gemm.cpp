@@ -453,6 +453,12 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
                             torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
+torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
+                               torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> planes,
+                               std::vector<torch::Tensor> transform, torch::Tensor slot_mapping, torch::Tensor rows,
+                               torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                               double eps, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
@@ -467,4 +473,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of each row of a fused QKV");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
+  m.def("decoder_layer_i8", &decoder_layer_i8, "the same over an int8 KV cache (kv_quant.QuantizedKV planes)");
 }

@@ -339,6 +339,11 @@ def decoder_layer(*args) -> torch.Tensor:
     return _ext.decoder_layer(*args)
 
 
+def decoder_layer_i8(*args) -> torch.Tensor:
+    """:func:`decoder_layer` over an int8 KV cache (kv_quant.QuantizedKV planes), bitwise equal to the per-op path."""
+    return _ext.decoder_layer_i8(*args)
+
+
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
     """How many layers of ``model`` use each kernel format: {"float32": .., "q4": .., "q8": ..}."""
     counts: dict[str, int] = {}

@@ -12,6 +12,7 @@ from torch import nn
 
 from leapdecode.layers import small_gemm
 from leapdecode.layers.attention import AttentionMetadata, paged_attention
+from leapdecode.layers.kv_quant import QuantizedKV
 from leapdecode.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -101,9 +102,12 @@ class DecoderLayer(nn.Module):
         self._fused_args: tuple | None = None  # the packed weights etc. for _fused, gathered on first use
 
     def forward(self, x, rope, kv, meta) -> torch.Tensor:
-        if (self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and isinstance(kv[0], torch.Tensor)
-                and kv[0].dtype == x.dtype == torch.float32 and meta.all_kernel_rows()):
-            return self._fused(x, rope, kv, meta)
+        if self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32:
+            if isinstance(kv[0], torch.Tensor) and kv[0].dtype == torch.float32 and meta.all_kernel_rows():
+                return self._fused(x, rope, kv, meta)
+            if (isinstance(kv[0], QuantizedKV) and kv[0].observed is None and small_gemm.int8_kv_kernels(kv[0])
+                    and meta.all_kernel_rows()):  # int8 cache, not calibrating: the same layer over int8 planes
+                return self._fused(x, rope, kv, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -117,6 +121,13 @@ class DecoderLayer(nn.Module):
             self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
         w, bias, heads, kv_heads, eps, scale = self._fused_args
         t = x.shape[0]
+        if isinstance(kv[0], QuantizedKV):
+            k, v = kv
+            empty = x.new_empty(0)
+            transform = [empty if a is None else a.contiguous() for a in (k.shift, k.smooth, k.rotation, v.rotation)]
+            return small_gemm.decoder_layer_i8(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1),
+                                               [k.data, k.scale, v.data, v.scale], transform, meta.slot_mapping,
+                                               *meta.kernel_rows(), heads, kv_heads, eps, scale)  # fmt: skip
         return small_gemm.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1],
                                         meta.slot_mapping, *meta.kernel_rows(), heads, kv_heads, eps, scale)
 
