@@ -168,3 +168,19 @@ def test_rope_and_silu_mul_match_torch() -> None:
         out = small_gemm.silu_mul(gu)
         torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
         assert torch.equal(small_gemm.silu_mul(gu[1:2]), out[1:2])
+
+
+def test_rotate_rows_matches_the_torch_basis_change() -> None:
+    """The int8 cache's query / output basis changes in C++: (q * s) @ R per KV-head group, and o @ R^T."""
+    from leapdecode.layers.kv_quant import rotation_matrix
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(5, 9, 64, generator=g)
+    s = torch.rand(3, 64, generator=g) + 0.5
+    r = rotation_matrix(64)
+    want = (q.view(5, 3, 3, 64) * s.unsqueeze(1)).view(5, 9, 64) @ r
+    torch.testing.assert_close(small_gemm.rotate_rows(q, s, r, transpose=False), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(small_gemm.rotate_rows(q, None, r, transpose=True), q @ r.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(small_gemm.rotate_rows(q, None, None, transpose=False), q)
+    alone = torch.cat([small_gemm.rotate_rows(q[i : i + 1], s, r, transpose=False) for i in range(5)])
+    assert torch.equal(alone, small_gemm.rotate_rows(q, s, r, transpose=False))  # rows do not depend on each other

@@ -812,10 +812,48 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
 }
 
+// Rows x [T, H, D] into / out of an int8 plane's basis in one call: y = (x * s) @ R, or y = x @ R^T with
+// `transpose` (s: [Hkv, D] per KV head, the H = Hkv * G query heads sharing it in groups; empty = 1; R: [D, D],
+// empty = identity). Each row sums over i = 0 .. D-1 in order, so a row's result does not depend on the others;
+// kv_quant.QuantizedKV's query_to_cache_basis / unrotate and decoder_layer_i8 all go through it (one rounding).
+torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor rot, bool transpose) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "rotate_rows: x must be float32 [T, H, D]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(smooth.numel() == 0 || (smooth.scalar_type() == torch::kFloat32 && smooth.dim() == 2 &&
+                                      smooth.size(1) == D && H % smooth.size(0) == 0),
+              "rotate_rows: smooth must be empty or float32 [Hkv, D]");
+  TORCH_CHECK(rot.numel() == 0 || (rot.scalar_type() == torch::kFloat32 && rot.dim() == 2 && rot.size(0) == D &&
+                                   rot.size(1) == D), "rotate_rows: rotation must be empty or float32 [D, D]");
+  auto xc = x.contiguous();
+  if (rot.numel() == 0 && smooth.numel() == 0) return xc;
+  auto y = torch::empty({T, H, D}, x.options());
+  const auto r = rot.numel() ? (transpose ? rot.t().contiguous() : rot.contiguous()) : rot;
+  const auto sm = smooth.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* rp = r.numel() ? r.data_ptr<float>() : nullptr;
+  const float* sp = sm.numel() ? sm.data_ptr<float>() : nullptr;
+  const int64_t G = sm.numel() ? H / sm.size(0) : 1;
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xs(D);
+  for (int64_t row = 0; row < T * H; ++row) {
+    const float* xr = xp + row * D;
+    const float* s = sp ? sp + ((row % H) / G) * D : nullptr;
+    for (int64_t i = 0; i < D; ++i) xs[i] = s ? xr[i] * s[i] : xr[i];
+    float* yr = yp + row * D;
+    if (!rp) {
+      for (int64_t j = 0; j < D; ++j) yr[j] = xs[j];
+      continue;
+    }
+    for (int64_t j = 0; j < D; ++j) yr[j] = 0.f;
+    for (int64_t i = 0; i < D; ++i) axpy(xs[i], rp + i * D, yr, D);  // row i of R, weighted, in i order
+  }
+  return y;
+}
+
 // decoder_layer over an int8 KV cache (layers/kv_quant.py QuantizedKV planes): the same steps as the per-op path
 // of models/llama.py with attention.paged_attention on int8 planes -- queries into the cache's basis ((q s) @ R),
 // keys and values quantized on write, the int8 rows kernel, outputs back out of the value basis (@ R^T) -- with
-// the same torch ops in the same order, so both paths give the same bits. planes: k_data, k_scale, v_data,
+// the same C++ routines (rotate_rows, quantize_kv_rows, attention_rows_i8), so both paths give the same bits. planes: k_data, k_scale, v_data,
 // v_scale; transform: k_shift, k_smooth, k_rotation, v_rotation (each may be empty = identity).
 torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                                torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> planes,
@@ -826,13 +864,11 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
               "decoder_layer_i8: 6 weights, 4 planes, 4 transforms");
   const torch::Tensor &k_shift = transform[0], &k_smooth = transform[1], &k_rot = transform[2],
                       &v_rot = transform[3];
-  const int64_t T = x.size(0), d = planes[0].size(2), G = num_heads / num_kv_heads;
+  const int64_t T = x.size(0), d = planes[0].size(2);
   auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   rope_(qkv, cos, sin_signed, num_heads + num_kv_heads);
-  auto q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});
-  if (k_smooth.numel()) q = (q.view({T, num_kv_heads, G, d}) * k_smooth.unsqueeze(1)).view({T, num_heads, d});
-  q = k_rot.numel() ? q.matmul(k_rot) : q.contiguous();
+  const auto q = rotate_rows(qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d}), k_smooth, k_rot, false);
   auto k = qkv.narrow(1, num_heads * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
   const auto empty = x.new_empty({0});
@@ -840,7 +876,6 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
   quantize_kv_rows(v, empty, empty, v_rot, slot_mapping, planes[2], planes[3]);
   auto o = torch::empty_like(q);
   attention_rows_i8(q.contiguous(), planes[0], planes[1], planes[2], planes[3], rows, spans, slots, scale, o);
-  if (v_rot.numel()) o = o.matmul(v_rot.t());
-  auto h = x + packed_linear(o.contiguous().view({T, num_heads * d}), w[2]);
+  auto h = x + packed_linear(rotate_rows(o, empty, v_rot, true).view({T, num_heads * d}), w[2]);
   return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
 }

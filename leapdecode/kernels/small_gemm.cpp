@@ -453,6 +453,7 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
                             torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale);
 
+torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor rot, bool transpose);
 torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                                torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> planes,
                                std::vector<torch::Tensor> transform, torch::Tensor slot_mapping, torch::Tensor rows,
@@ -473,5 +474,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of each row of a fused QKV");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
+  m.def("rotate_rows", &rotate_rows, "(x * smooth) @ R, or x @ R^T, per row of [T, H, D] (int8 KV basis changes)");
   m.def("decoder_layer_i8", &decoder_layer_i8, "the same over an int8 KV cache (kv_quant.QuantizedKV planes)");
 }

@@ -188,13 +188,19 @@ class QuantizedKV:
             g = x.view(q.shape[0], self.data.shape[1], -1, q.shape[-1])
             self.observed["q_count"] += g.shape[0] * g.shape[2]
             self.observed["q_sumsq"] += g.square().sum((0, 2))
+        if small_gemm.int8_kv_kernels(self) and q.dtype == torch.float32:  # the fused C++ layer's own routine
+            return small_gemm.rotate_rows(x, self.smooth, self.rotation, transpose=False)
         if self.smooth is not None:
             x = (x.view(q.shape[0], self.smooth.shape[0], -1, q.shape[-1]) * self.smooth.unsqueeze(1)).view(q.shape)
         return (x if self.rotation is None else x @ self.rotation).to(q.dtype)
 
     def unrotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rows read from a value plane (or attention outputs over them), back in the model's basis."""
-        return x if self.rotation is None else (x.float() @ self.rotation.T).to(x.dtype)
+        if self.rotation is None:
+            return x
+        if small_gemm.int8_kv_kernels(self) and x.dtype == torch.float32 and x.dim() == 3:
+            return small_gemm.rotate_rows(x, None, self.rotation, transpose=True)
+        return (x.float() @ self.rotation.T).to(x.dtype)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize x [T, Hkv, D] (model basis) and store it at ``slots`` [T]."""

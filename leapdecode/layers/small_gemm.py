@@ -339,6 +339,15 @@ def decoder_layer(*args) -> torch.Tensor:
     return _ext.decoder_layer(*args)
 
 
+def rotate_rows(x: torch.Tensor, smooth: torch.Tensor | None, rotation: torch.Tensor | None,
+                transpose: bool) -> torch.Tensor:
+    """``(x * smooth) @ R`` (or ``x @ R.T``) for rows x [T, H, D] in one C++ call: the int8 KV cache's query and
+    output basis changes, shared by the per-op path and the fused layer so both round alike (decode_ops.cpp)."""
+    empty = x.new_empty(0)
+    return _ext.rotate_rows(x, empty if smooth is None else smooth, empty if rotation is None else rotation,
+                            transpose)
+
+
 def decoder_layer_i8(*args) -> torch.Tensor:
     """:func:`decoder_layer` over an int8 KV cache (kv_quant.QuantizedKV planes), bitwise equal to the per-op path."""
     return _ext.decoder_layer_i8(*args)
