@@ -53,14 +53,6 @@ def test_int8_activation_kernel_matches_its_definition_and_is_batch_invariant(fm
     assert 0 < float((y.double() - exact).abs().max()) < 0.05 * float(exact.abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_records_unpack_to_the_same_blocks(fmt: str) -> None:
-    bq = _quantize(fmt, np.random.default_rng(2).standard_normal((32, 128)))
-    back = small_gemm.BlockQuantized.from_packed(bq.pack())
-    assert back.kind == bq.kind and torch.equal(back.q, bq.q) and torch.equal(back.scale, bq.scale)
-    assert torch.equal(back.dequantize(), bq.dequantize())
-
-
 def _int8_tiny_llm(make_tiny_model, **kwargs) -> LLM:
     """A tiny model whose projections are replaced by their Q4_1 blocks (the embedding by Q8_0), packed for int8
     activations -- what ``linear_kernel="packed-int8act"`` does with a GGUF checkpoint."""

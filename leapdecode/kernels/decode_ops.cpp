@@ -259,24 +259,32 @@ static void score_rows(const float* q, const float* k, const int64_t* slots, int
     for (int g = 0; g < G; ++g) sh[g * np + j] = _mm512_reduce_add_ps(score(k + slots[j] * row, g)) * scale;
 }
 
-// score_rows for this shape, or nullptr (then: one dot product per key and head)
-typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
-static ScoreFn score_rows_for(int64_t D, int64_t G) {
+// the instantiation Pick<NG, G>::fn of a kernel for head width D = 16 NG and G query heads per KV head, for the
+// shapes instantiated here (D 64 with G 1-4, D 128 with G 1-2), or nullptr (then: the callers' general loops)
+template <template <int, int> class Pick>
+static auto for_shape(int64_t D, int64_t G) -> decltype(Pick<4, 1>::fn) {
   if (D == 64) {
     switch (G) {
-      case 1: return score_rows<4, 1>;
-      case 2: return score_rows<4, 2>;
-      case 3: return score_rows<4, 3>;
-      case 4: return score_rows<4, 4>;
+      case 1: return Pick<4, 1>::fn;
+      case 2: return Pick<4, 2>::fn;
+      case 3: return Pick<4, 3>::fn;
+      case 4: return Pick<4, 4>::fn;
     }
   } else if (D == 128) {
     switch (G) {
-      case 1: return score_rows<8, 1>;
-      case 2: return score_rows<8, 2>;
+      case 1: return Pick<8, 1>::fn;
+      case 2: return Pick<8, 2>::fn;
     }
   }
   return nullptr;
 }
+
+template <int NG, int G>
+struct ScorePick {
+  static constexpr auto fn = score_rows<NG, G>;
+};
+typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+static ScoreFn score_rows_for(int64_t D, int64_t G) { return for_shape<ScorePick>(D, G); }
 #else
 typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
 static ScoreFn score_rows_for(int64_t, int64_t) { return nullptr; }
@@ -606,24 +614,13 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
 }
 
 // the fused chunk routine for this shape, or nullptr (then: dequantise into a scratch and attend_chunk)
+template <int NG, int G>
+struct ChunkI8Pick {
+  static constexpr auto fn = attend_chunk_i8<NG, G>;
+};
 typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const int8_t*, const at::Half*,
                           const int64_t*, int64_t, int64_t, int64_t, float, float*, std::vector<float>&);
-static ChunkI8Fn chunk_i8_for(int64_t D, int64_t G) {
-  if (D == 64) {
-    switch (G) {
-      case 1: return attend_chunk_i8<4, 1>;
-      case 2: return attend_chunk_i8<4, 2>;
-      case 3: return attend_chunk_i8<4, 3>;
-      case 4: return attend_chunk_i8<4, 4>;
-    }
-  } else if (D == 128) {
-    switch (G) {
-      case 1: return attend_chunk_i8<8, 1>;
-      case 2: return attend_chunk_i8<8, 2>;
-    }
-  }
-  return nullptr;
-}
+static ChunkI8Fn chunk_i8_for(int64_t D, int64_t G) { return for_shape<ChunkI8Pick>(D, G); }
 #else
 typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const int8_t*, const at::Half*,
                           const int64_t*, int64_t, int64_t, int64_t, float, float*, std::vector<float>&);

@@ -203,23 +203,6 @@ class BlockQuantized:
             rec = torch.cat([per_block(self.scale), q.permute(0, 2, 3, 1, 4).reshape(n // 16, nb, 512)], dim=-1)
         return rec.reshape(n // 16, nb, -1, 64).contiguous()
 
-    @classmethod
-    def from_packed(cls, packed: torch.Tensor) -> BlockQuantized:
-        """Inverse of :meth:`pack`: the blocks back from a float-activation record tensor (packing releases the
-        blocks, and a second packing, e.g. for a low-precision drafter, starts from the records)."""
-        p, nb, rec = packed.shape
-        n, k = p * 16, nb * 32
-
-        def per_row(b: torch.Tensor) -> torch.Tensor:  # [P, nb, 64] bytes -> [N, nb] f32
-            return b.contiguous().view(torch.float32).transpose(1, 2).reshape(n, nb).contiguous()
-
-        if rec == Q4_RECORD:
-            pairs = packed[..., 128:].reshape(p, nb, 16, 16)  # (panel, block, pair i, row j)
-            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).permute(0, 3, 1, 2, 4).reshape(n, k)
-            return cls("q4", q.contiguous(), per_row(packed[..., :64]), per_row(packed[..., 64:128]))
-        rows = packed[..., 64:].reshape(p, nb, 16, 2, 16).view(torch.int8)  # (panel, block, pair, parity, row)
-        return cls("q8", rows.permute(0, 4, 1, 2, 3).reshape(n, k).contiguous(), per_row(packed[..., :64]))
-
 
 def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
     """The blocks exist, fit the kernel's shape rules and still reproduce ``weight`` exactly."""
@@ -234,7 +217,8 @@ def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward).
-    ``packed`` is a float32 [N/16, K, 16] panel set or a uint8 block-quantized one (its record size says which)."""
+    ``packed`` is a float32 [N/16, K, 16] panel set, a uint8 block-quantized one (its record size says which), or
+    4-D int8-activation records [N/16, K/32, lines, 64], which take every row count."""
     if (packed is not None and x.dim() == 2 and 0 < x.shape[0] and (x.shape[0] <= MAX_ROWS or packed.dim() == 4)
             and not x.requires_grad and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16)
         # int8-activation records (4-D) serve every row count: the precision must not depend on the batch
@@ -354,7 +338,7 @@ def decoder_layer_i8(*args) -> torch.Tensor:
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
-    """How many layers of ``model`` use each kernel format: {"float32": .., "q4": .., "q8": ..}."""
+    """How many layers of ``model`` use each kernel format: {"float32", "q4", "q8", "q4-int8act", "q8-int8act"}."""
     counts: dict[str, int] = {}
     for mod in model.modules():
         p = getattr(mod, "packed", None)
