@@ -20,6 +20,11 @@ and sums in the same order, so results are bit-identical to the float32 packing 
 weight instead of 32. This is not a lossy option: the float32 model *is* the dequantised checkpoint. Before use,
 the blocks are checked to reproduce the layer's weight exactly (a weight changed after loading keeps float32).
 
+``linear_kernel="packed-int8act"`` is the one lossy option (off by default): the same blocks re-laid for AVX-512
+VNNI (``BlockQuantized.pack_int8_activations``), each input row rounded to int8 per 32 values as llama.cpp does.
+Those records serve every row count, prompts included, so the precision never depends on the batch and speculation
+stays token-identical to plain decoding at that precision.
+
 The kernel is C++ compiled on first use with the host compiler (``-march=native``; ~30 s once, cached by torch in
 ``~/.cache/torch_extensions``). Without a compiler, ``"auto"`` falls back to torch with one warning.
 """
