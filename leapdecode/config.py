@@ -159,8 +159,10 @@ class EngineConfig:
             isinstance(self.swap_space_gb, (int, float)) and self.swap_space_gb >= 0,
             f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}",
         )
-        kernels = LINEAR_KERNELS
-        _check(self.linear_kernel in kernels, f"linear_kernel must be one of {kernels}, got {self.linear_kernel!r}")
+        _check(
+            self.linear_kernel in LINEAR_KERNELS,
+            f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}",
+        )
         if self.linear_kernel.startswith("packed"):
             _check(
                 dev.type == "cpu" and self.dtype == "float32",

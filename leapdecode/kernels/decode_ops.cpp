@@ -290,6 +290,21 @@ typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int
 static ScoreFn score_rows_for(int64_t, int64_t) { return nullptr; }
 #endif
 
+// sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads q [G, D] of one KV head (k at that head's
+// offset, rows `row` floats apart): score_rows for the common shapes, one dot product per key and head otherwise
+static void score_keys(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, int64_t G,
+                       int64_t D, float scale, float* sh, int64_t np) {
+  if (const ScoreFn fn = score_rows_for(D, G)) {
+    fn(q, k, slots, n, row, scale, sh, np);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
+    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
+  }
+}
+
 // Attention for query rows that each see an explicit list of cache slots (decode tokens, drafts, tree nodes), in
 // place over the paged cache. q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to
 // slots[spans[r, 0] .. spans[r, 1]) (in position order) and its [H, D] result is written to out[t].
@@ -301,14 +316,7 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
   const int64_t np = (n + 15) / 16 * 16;  // scores padded to whole vectors
   if (int64_t(buf.size()) < G * np) buf.resize(G * np);
   float* sh = buf.data();
-  if (const ScoreFn fn = score_rows_for(D, G)) {
-    fn(q + h * G * D, kp + h * D, slots, n, row, scale, sh, np);
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kp + slots[j] * row + h * D;
-      for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + (h * G + g) * D, kj, D) * scale;
-    }
-  }
+  score_keys(q + h * G * D, kp + h * D, slots, n, row, G, D, scale, sh, np);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = sh + g * np;
     float m;
@@ -333,15 +341,7 @@ static void attend_chunk(const float* q, const float* k, const float* v, const i
   const int64_t np = (n + 15) / 16 * 16;
   if (int64_t(buf.size()) < G * np) buf.resize(G * np);
   float* sh = buf.data();
-  if (const ScoreFn fn = score_rows_for(D, G)) {
-    fn(q, k, slots, n, row, scale, sh, np);
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = k + slots[j] * row;
-      if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
-      for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
-    }
-  }
+  score_keys(q, k, slots, n, row, G, D, scale, sh, np);
   for (int64_t g = 0; g < G; ++g) {
     float* rec = part + g * (D + 2);
     rec[1] = exp_scores(sh + g * np, n, np, &rec[0]);
@@ -475,9 +475,10 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
 // ---------------------------------------------------------------------------------------------- int8 KV cache
 // The cache of layers/kv_quant.py: rows int8 [slots, Hkv, D], one float16 scale per 16 channels [slots, Hkv, D/16],
 // in a rotated (keys: shifted and smoothed) basis that the caller maps queries into and outputs out of. Attention
-// dequantises each chunk of a row's slots into a float scratch that stays in L2 and runs the float chunk routine
-// on it: the long context is read from memory as int8 (~3.6x fewer bytes than float32), every row goes through
-// chunks + merge (one chunk for short rows), and nothing depends on the other rows of the call.
+// reads each chunk of a row's slots as int8 and rebuilds the rows in registers (attend_chunk_i8; other head shapes
+// dequantise the chunk into an L2-resident scratch and run the float chunk routine): the long context is read from
+// memory as int8 (~3.6x fewer bytes than float32), every row goes through chunks + merge (one chunk for short
+// rows), and nothing depends on the other rows of the call.
 
 static inline void half4_to_float(const at::Half* h, int64_t n, float* out) {
 #if defined(__F16C__)
@@ -562,6 +563,11 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NG; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
   auto row_of = [&](int64_t j) { return slots[j] * Hkv + h; };
+  auto score = [&](const __m512* kf, int g) {  // q_g . k, as 16 lane sums
+    __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
+    for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], kf[c], a);
+    return a;
+  };
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     __m512 acc[G][4];
@@ -572,11 +578,7 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
       }
       __m512 kf[NG];
       load_row_i8<NG>(kd + row_of(j + u) * D, ks + row_of(j + u) * NG, kf);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
-        for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], kf[c], a);
-        acc[g][u] = a;
-      }
+      for (int g = 0; g < G; ++g) acc[g][u] = score(kf, g);
     }
     for (int g = 0; g < G; ++g)
       _mm_storeu_ps(sh + g * np + j, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
@@ -584,11 +586,7 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
   for (; j < n; ++j) {  // the last n % 4 keys: the same products, summed lane by lane
     __m512 kf[NG];
     load_row_i8<NG>(kd + row_of(j) * D, ks + row_of(j) * NG, kf);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
-      for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], kf[c], a);
-      sh[g * np + j] = _mm512_reduce_add_ps(a) * scale;
-    }
+    for (int g = 0; g < G; ++g) sh[g * np + j] = _mm512_reduce_add_ps(score(kf, g)) * scale;
   }
   for (int g = 0; g < G; ++g) {
     float* rec = part + g * (D + 2);
@@ -678,6 +676,13 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   merge_chunks(parts, tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
 }
 
+// z[0 .. D) = y @ R (R row-major [D, D]): rows of R weighted by y and summed in i order; the int8 KV write and
+// rotate_rows share it, so keys and queries change basis with the same rounding
+static inline void row_times(const float* y, const float* R, float* z, int64_t D) {
+  for (int64_t e = 0; e < D; ++e) z[e] = 0.f;
+  for (int64_t i = 0; i < D; ++i) axpy(y[i], R + i * D, z, D);
+}
+
 // Quantize-on-write of kv_quant.QuantizedKV in one call: row x[t, h] becomes y = ((x - shift[h]) / smooth[h]) @ R,
 // then per 16 channels scale = float16(absmax / 127), q = round-half-even(y / scale) in [-127, 127], stored at
 // slots[t]. shift / smooth / rotation may be empty (identity).
@@ -713,9 +718,8 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
         if (sm) v /= sm[h * D + i];
         y[i] = v;
       }
-      if (rot) {  // z = y @ R, R row-major [D, D]
-        for (int64_t e = 0; e < D; ++e) z[e] = 0.f;
-        for (int64_t i = 0; i < D; ++i) axpy(y[i], rot + i * D, z.data(), D);
+      if (rot) {
+        row_times(y.data(), rot, z.data(), D);
       } else {
         z = y;
       }
@@ -790,23 +794,37 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);  // kernels/
 // A whole decoder layer for a step whose rows are all few-token rows (decode, drafts, trees): the same kernels
 // the per-op path calls (so results are bitwise equal to it), minus ~10 Python-level calls per layer.
 // w = [input_norm, qkv_packed, o_packed, post_attention_norm, gate_up_packed, down_packed].
+// the parts of a decoder layer around attention, shared by decoder_layer and decoder_layer_i8: the fused QKV
+// projection of the normed input with RoPE applied in place, and o_proj + residual + MLP + residual
+static torch::Tensor layer_qkv(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                               const std::optional<torch::Tensor>& qkv_bias, const torch::Tensor& cos,
+                               const torch::Tensor& sin_signed, int64_t rope_heads, double eps) {
+  auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  rope_(qkv, cos, sin_signed, rope_heads);
+  return qkv;
+}
+
+static torch::Tensor layer_out(const torch::Tensor& x, const torch::Tensor& attn, const std::vector<torch::Tensor>& w,
+                               double eps) {
+  auto h = x + packed_linear(attn, w[2]);
+  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
+}
+
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                             torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slot_mapping, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   TORCH_CHECK(w.size() == 6, "decoder_layer: 6 weights");
   const int64_t T = x.size(0), d = k_cache.size(2);
-  auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
-  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
-  rope_(qkv, cos, sin_signed, num_heads + num_kv_heads);
+  auto qkv = layer_qkv(x, w, qkv_bias, cos, sin_signed, num_heads + num_kv_heads, eps);
   auto q = qkv.narrow(1, 0, num_heads * d).contiguous().view({T, num_heads, d});
   k_cache.index_copy_(0, slot_mapping, qkv.narrow(1, num_heads * d, num_kv_heads * d).view({T, num_kv_heads, d}));
   v_cache.index_copy_(0, slot_mapping,
                       qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({T, num_kv_heads, d}));
   auto o = torch::empty_like(q);
   attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, o);
-  auto h = x + packed_linear(o.view({T, num_heads * d}), w[2]);
-  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
+  return layer_out(x, o.view({T, num_heads * d}), w, eps);
 }
 
 // Rows x [T, H, D] into / out of an int8 plane's basis in one call: y = (x * s) @ R, or y = x @ R^T with
@@ -837,12 +855,11 @@ torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor r
     const float* s = sp ? sp + ((row % H) / G) * D : nullptr;
     for (int64_t i = 0; i < D; ++i) xs[i] = s ? xr[i] * s[i] : xr[i];
     float* yr = yp + row * D;
-    if (!rp) {
+    if (rp) {
+      row_times(xs.data(), rp, yr, D);
+    } else {
       for (int64_t j = 0; j < D; ++j) yr[j] = xs[j];
-      continue;
     }
-    for (int64_t j = 0; j < D; ++j) yr[j] = 0.f;
-    for (int64_t i = 0; i < D; ++i) axpy(xs[i], rp + i * D, yr, D);  // row i of R, weighted, in i order
   }
   return y;
 }
@@ -850,8 +867,9 @@ torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor r
 // decoder_layer over an int8 KV cache (layers/kv_quant.py QuantizedKV planes): the same steps as the per-op path
 // of models/llama.py with attention.paged_attention on int8 planes -- queries into the cache's basis ((q s) @ R),
 // keys and values quantized on write, the int8 rows kernel, outputs back out of the value basis (@ R^T) -- with
-// the same C++ routines (rotate_rows, quantize_kv_rows, attention_rows_i8), so both paths give the same bits. planes: k_data, k_scale, v_data,
-// v_scale; transform: k_shift, k_smooth, k_rotation, v_rotation (each may be empty = identity).
+// the same C++ routines (rotate_rows, quantize_kv_rows, attention_rows_i8), so both paths give the same bits.
+// planes: k_data, k_scale, v_data, v_scale; transform: k_shift, k_smooth, k_rotation, v_rotation (each may be
+// empty = identity).
 torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
                                torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> planes,
                                std::vector<torch::Tensor> transform, torch::Tensor slot_mapping, torch::Tensor rows,
@@ -862,9 +880,7 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
   const torch::Tensor &k_shift = transform[0], &k_smooth = transform[1], &k_rot = transform[2],
                       &v_rot = transform[3];
   const int64_t T = x.size(0), d = planes[0].size(2);
-  auto qkv = packed_linear(rms_norm(x, w[0], eps), w[1]);
-  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
-  rope_(qkv, cos, sin_signed, num_heads + num_kv_heads);
+  auto qkv = layer_qkv(x, w, qkv_bias, cos, sin_signed, num_heads + num_kv_heads, eps);
   const auto q = rotate_rows(qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d}), k_smooth, k_rot, false);
   auto k = qkv.narrow(1, num_heads * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
   auto v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).contiguous().view({T, num_kv_heads, d});
@@ -873,6 +889,5 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
   quantize_kv_rows(v, empty, empty, v_rot, slot_mapping, planes[2], planes[3]);
   auto o = torch::empty_like(q);
   attention_rows_i8(q.contiguous(), planes[0], planes[1], planes[2], planes[3], rows, spans, slots, scale, o);
-  auto h = x + packed_linear(rotate_rows(o, empty, v_rot, true).view({T, num_heads * d}), w[2]);
-  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
+  return layer_out(x, rotate_rows(o, empty, v_rot, true).view({T, num_heads * d}), w, eps);
 }

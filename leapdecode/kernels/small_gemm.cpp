@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -54,17 +55,24 @@ static inline void rows_x_panel(const float* __restrict x, const float* __restri
   store_rows<R>(acc0, acc1, y, N);
 }
 
-static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float* y, int64_t K, int64_t N) {
+// f(std::integral_constant<int, R>{}) for R = rows (1..7), or 8 for 8 and more: the kernels' row count is a
+// template parameter so that a chunk's partial sums live in registers
+template <class F>
+static inline void with_rows(int64_t rows, F&& f) {
   switch (rows) {
-    case 1: rows_x_panel<1>(x, w, y, K, N); break;
-    case 2: rows_x_panel<2>(x, w, y, K, N); break;
-    case 3: rows_x_panel<3>(x, w, y, K, N); break;
-    case 4: rows_x_panel<4>(x, w, y, K, N); break;
-    case 5: rows_x_panel<5>(x, w, y, K, N); break;
-    case 6: rows_x_panel<6>(x, w, y, K, N); break;
-    case 7: rows_x_panel<7>(x, w, y, K, N); break;
-    default: rows_x_panel<8>(x, w, y, K, N); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
+}
+
+static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float* y, int64_t K, int64_t N) {
+  with_rows(rows, [&](auto R) { rows_x_panel<R.value>(x, w, y, K, N); });
 }
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
@@ -191,16 +199,7 @@ static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __res
 
 template <bool Q4>
 static void rows_x_qpanel_any(int64_t rows, const float* x, const uint8_t* rec, float* y, int64_t K, int64_t N) {
-  switch (rows) {
-    case 1: rows_x_qpanel<1, Q4>(x, rec, y, K, N); break;
-    case 2: rows_x_qpanel<2, Q4>(x, rec, y, K, N); break;
-    case 3: rows_x_qpanel<3, Q4>(x, rec, y, K, N); break;
-    case 4: rows_x_qpanel<4, Q4>(x, rec, y, K, N); break;
-    case 5: rows_x_qpanel<5, Q4>(x, rec, y, K, N); break;
-    case 6: rows_x_qpanel<6, Q4>(x, rec, y, K, N); break;
-    case 7: rows_x_qpanel<7, Q4>(x, rec, y, K, N); break;
-    default: rows_x_qpanel<8, Q4>(x, rec, y, K, N); break;
-  }
+  with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, Q4>(x, rec, y, K, N); });
 }
 
 template <bool Q4>
@@ -387,16 +386,7 @@ constexpr bool A8_VNNI = false;
 template <bool Q4>
 static void rows_x_a8panel_any(int64_t rows, const QuantizedRows& xr, int64_t r0, const uint8_t* rec, float* y,
                                int64_t K, int64_t N) {
-  switch (rows) {
-    case 1: rows_x_a8panel<1, Q4>(xr, r0, rec, y, K, N); break;
-    case 2: rows_x_a8panel<2, Q4>(xr, r0, rec, y, K, N); break;
-    case 3: rows_x_a8panel<3, Q4>(xr, r0, rec, y, K, N); break;
-    case 4: rows_x_a8panel<4, Q4>(xr, r0, rec, y, K, N); break;
-    case 5: rows_x_a8panel<5, Q4>(xr, r0, rec, y, K, N); break;
-    case 6: rows_x_a8panel<6, Q4>(xr, r0, rec, y, K, N); break;
-    case 7: rows_x_a8panel<7, Q4>(xr, r0, rec, y, K, N); break;
-    default: rows_x_a8panel<8, Q4>(xr, r0, rec, y, K, N); break;
-  }
+  with_rows(rows, [&](auto R) { rows_x_a8panel<R.value, Q4>(xr, r0, rec, y, K, N); });
 }
 
 torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
