@@ -300,25 +300,34 @@ def test_engine_calibrates_at_start_up_and_returns_its_blocks(tiny_model_dir):
 
 
 @pytest.mark.skipif(small_gemm.load_kernel() is None, reason="no C++ toolchain to build the kernel")
-def test_fused_int8_layer_equals_the_per_op_path_bitwise(tiny_model_dir):
-    """Decode and verification steps over an int8 cache run each decoder layer in one C++ call
-    (decoder_layer_i8); it must give the bits of the per-op path (query into the cache basis, quantizing write,
-    int8 rows kernel, output rotation), or a token's result would depend on which path its step took."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "auto"])
+def test_fused_layers_equal_the_per_op_path_bitwise(tiny_model_dir, monkeypatch, kv_dtype: str):
+    """Decode and verification steps run all decoder layers in one C++ call (decoder_stack of decoder_layer, or
+    of decoder_layer_i8 over an int8 cache); it must give the bits of one C++ call per layer and of the per-op
+    path (for int8: query into the cache basis, quantizing write, int8 rows kernel, output rotation), or a
+    token's result would depend on which path its step took."""
     from leapdecode import LLM
     from leapdecode.engine.model_runner import ForwardItem
-    from leapdecode.models.llama import DecoderLayer
+    from leapdecode.models.llama import DecoderLayer, LlamaForCausalLM
 
-    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype="int8")
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype=kv_dtype)
     eng = llm.engine
-    assert eng.kv_cache.layers[0][0].shift is not None  # calibrated: the full transform is exercised
+    if kv_dtype == "int8":
+        assert eng.kv_cache.layers[0][0].shift is not None  # calibrated: the full transform is exercised
     layers = [m for m in eng.model.modules() if isinstance(m, DecoderLayer)]
-    calls = []
-    real = small_gemm.decoder_layer_i8
+    calls = {"stack": 0, "layer": 0}
+    layer_fn = "decoder_layer_i8" if kv_dtype == "int8" else "decoder_layer"
+    real_stack, real_layer = small_gemm.decoder_stack, getattr(small_gemm, layer_fn)
 
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
+    def count(kind, real):
+        def counted(*args):
+            calls[kind] += 1
+            return real(*args)
 
+        return counted
+
+    monkeypatch.setattr(small_gemm, "decoder_stack", count("stack", real_stack))
+    monkeypatch.setattr(small_gemm, layer_fn, count("layer", real_layer))
     prompt = list(range(300, 330))
     steps = [[5], [6], [7, 8, 9, 10], [11]]  # decode, decode, a 4-token verification, decode
 
@@ -333,14 +342,16 @@ def test_fused_int8_layer_equals_the_per_op_path_bitwise(tiny_model_dir):
             pos += len(toks)
         return out
 
-    small_gemm.decoder_layer_i8 = counted
     try:
         fused = run(True)
-        assert len(calls) == len(steps) * len(layers)  # every decode/verify step took the fused layer
+        assert calls == {"stack": len(steps), "layer": 0}  # every decode/verify step: all layers in one call
+        with monkeypatch.context() as m:
+            m.setattr(LlamaForCausalLM, "_layer_stack", lambda *a: None)
+            per_layer = run(True)
+        assert calls == {"stack": len(steps), "layer": len(steps) * len(layers)}
         per_op = run(False)
     finally:
-        small_gemm.decoder_layer_i8 = real
         for m in layers:
             m.use_kernel = True
-    for a, b in zip(fused, per_op, strict=True):
-        assert torch.equal(a, b)
+    for a, b, c in zip(fused, per_layer, per_op, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

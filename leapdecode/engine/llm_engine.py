@@ -9,6 +9,7 @@ import torch
 
 from leapdecode.config import EngineConfig
 from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
@@ -216,6 +217,8 @@ class LLMEngine:
         if m.ttft_s is None:
             m.ttft_s = now - seq.arrival_time
         p = seq.params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.decode)
         for tok in new_tokens:
             seq.token_ids.append(tok)
             m.num_output_tokens += 1
@@ -229,8 +232,13 @@ class LLMEngine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):
-            seq.output_text = self.decode(seq.output_token_ids)  # a stop string already set the cut text
+        if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):  # a stop string cut the text
+            out_ids = seq.token_ids[seq.num_prompt_tokens :]
+            if seq.finish_reason:
+                seq.output_text = seq.detokenizer.finish(out_ids)
+            else:
+                seq.detokenizer.append(out_ids)
+                seq.output_text = seq.detokenizer.text
         # the cache holds num_computed_tokens positions; give back slots reserved for rejected drafts
         self.block_manager.trim(seq, seq.num_computed_tokens)
         self.block_manager.commit_full_blocks(seq)
@@ -239,8 +247,14 @@ class LLMEngine:
         outputs.append(self.make_output(seq))
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
-        text = self.decode(seq.output_token_ids)
-        hits = [(text.find(s), s) for s in seq.params.stop_list if s in text]
+        """After each token: does the text now contain a stop string? Only the tail can hold a new one (the text
+        before this token held none), so the search starts ``len(stop) - 1`` characters before the new text."""
+        assert seq.detokenizer is not None
+        before = len(seq.detokenizer.text)
+        if not seq.detokenizer.append(seq.token_ids[seq.num_prompt_tokens :]):
+            return False
+        text = seq.detokenizer.text
+        hits = [(i, s) for s in seq.params.stop_list if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return False
         pos, stop = min(hits)

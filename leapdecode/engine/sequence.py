@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.outputs import RequestMetrics
 from leapdecode.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
+        self.detokenizer: IncrementalDetokenizer | None = None  # made by the engine on the first output token
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
         self.stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:

@@ -450,6 +450,12 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
                                torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
                                double eps, double scale);
 
+torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> biases,
+                            torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> caches,
+                            std::vector<torch::Tensor> transforms, torch::Tensor slot_mapping, torch::Tensor rows,
+                            torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                            double eps, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
@@ -466,4 +472,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
   m.def("rotate_rows", &rotate_rows, "(x * smooth) @ R, or x @ R^T, per row of [T, H, D] (int8 KV basis changes)");
   m.def("decoder_layer_i8", &decoder_layer_i8, "the same over an int8 KV cache (kv_quant.QuantizedKV planes)");
+  m.def("decoder_stack", &decoder_stack, "a run of decoder layers (float32 or int8 cache) for one step in one call");
 }

@@ -342,6 +342,47 @@ def decoder_layer_i8(*args) -> torch.Tensor:
     return _ext.decoder_layer_i8(*args)
 
 
+@dataclass
+class StackWeights:
+    """The per-layer arguments of :func:`decoder_stack` that do not change between steps, flattened once."""
+
+    weights: list[torch.Tensor]  # 6 per layer, as decoder_layer takes them
+    biases: list[torch.Tensor]  # 1 per layer; empty = no QKV bias
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+
+
+@dataclass
+class LayerStack:
+    """One step's :func:`decoder_stack` arguments: the weights, and this step's caches -- 2 float32 tensors (K, V)
+    or 4 int8 planes (k data, k scales, v data, v scales) per layer, with 4 transforms per layer for int8."""
+
+    weights: StackWeights
+    caches: list[torch.Tensor]
+    transforms: list[torch.Tensor]
+
+
+def stack_weights(layer_args: list[tuple]) -> StackWeights:
+    """Flatten ``DecoderLayer.fused_args()`` of consecutive layers (which share heads, eps and scale)."""
+    heads = {a[2:] for a in layer_args}
+    if len(heads) != 1:
+        raise ValueError(f"decoder_stack needs layers of one shape, got {sorted(heads)}")
+    empty = torch.empty(0)
+    return StackWeights([w for a in layer_args for w in a[0]], [empty if a[1] is None else a[1] for a in layer_args],
+                        *heads.pop())  # fmt: skip
+
+
+def decoder_stack(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin_signed: torch.Tensor,
+                  slot_mapping: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Run a stack of decoder layers for one step of few-token rows in one C++ call (``decoder_layer`` or
+    ``decoder_layer_i8`` per layer, so bitwise the per-layer result); see models/llama.py ``_layer_stack``."""
+    w = stack.weights
+    return _ext.decoder_stack(x, w.weights, w.biases, cos, sin_signed, stack.caches, stack.transforms, slot_mapping,
+                              *rows, w.num_heads, w.num_kv_heads, w.eps, w.scale)  # fmt: skip
+
+
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
     """How many layers of ``model`` use each kernel format: {"float32", "q4", "q8", "q4-int8act", "q8-int8act"}."""
     counts: dict[str, int] = {}

@@ -111,15 +111,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _fused(self, x, rope, kv, meta) -> torch.Tensor:
-        """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
-        same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls."""
-        if self._fused_args is None:  # gathered once: nn.Module attribute lookups cost more than the call
+    def fused_args(self) -> tuple:
+        """(weights, qkv bias, heads, KV heads, eps, scale) for the C++ layer; gathered once (nn.Module attribute
+        lookups cost more than the call), so the packed weights must not change after ``small_gemm.enable``."""
+        if self._fused_args is None:
             a, m = self.self_attn, self.mlp
             w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed,
                  self.post_attention_layernorm.weight, m.gate_up_proj.packed, m.down_proj.packed]
             self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
-        w, bias, heads, kv_heads, eps, scale = self._fused_args
+        return self._fused_args
+
+    def _fused(self, x, rope, kv, meta) -> torch.Tensor:
+        """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
+        same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls."""
+        w, bias, heads, kv_heads, eps, scale = self.fused_args()
         t = x.shape[0]
         if isinstance(kv[0], QuantizedKV):
             k, v = kv
@@ -148,6 +153,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        # per run of layers: its DecoderLayers and, once packed, their flattened C++ arguments (_layer_stack)
+        self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], small_gemm.StackWeights | None]] = {}
 
     def forward(
         self,
@@ -165,9 +172,52 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rope.table(positions, x.dtype)
-        for i in layers if layers is not None else range(len(self.layers)):
-            x = self.layers[i](x, rope, kv_caches[i], meta)
+        run = layers if layers is not None else range(len(self.layers))
+        stack = self._layer_stack(x, kv_caches, meta, run)
+        if stack is not None:  # every layer in one C++ call: the same routines as the loop below, same bits
+            t = x.shape[0]
+            x = small_gemm.decoder_stack(x.contiguous(), stack, rope[0].view(t, -1), rope[1].view(t, -1),
+                                         meta.slot_mapping, meta.kernel_rows())  # fmt: skip
+        else:
+            for i in run:
+                x = self.layers[i](x, rope, kv_caches[i], meta)
         return self.norm(x) if final_norm else x
+
+    def _layer_stack(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
+                     run: range) -> small_gemm.LayerStack | None:
+        """The arguments for running layers ``run`` in one C++ call (``small_gemm.decoder_stack``), or None when
+        some layer of this step would not take the fused path (see ``DecoderLayer.forward``): a prefill chunk or
+        split-KV rows, a layer without packed weights, a cache that is not a float32 tensor or an int8 plane set
+        the C++ ops serve, or an int8 cache still observing keys for calibration. Weights are gathered once per
+        run of layers; the caches are listed each step (cheap), so no cache outlives its engine through here."""
+        if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32
+                and meta.all_kernel_rows()):
+            return None
+        key = (run.start, run.stop)
+        if key not in self._stack_weights:
+            self._stack_weights[key] = [self.layers[i] for i in run], None
+        layers, weights = self._stack_weights[key]
+        if not all(layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
+            return None  # (a layer with hooks must be called as a module, or its hooks would not run)
+        if weights is None:  # gathered once every layer has its packed weights (small_gemm.enable)
+            weights = small_gemm.stack_weights([layer.fused_args() for layer in layers])
+            self._stack_weights[key] = layers, weights
+        planes = [kv_caches[i] for i in run]
+        k0 = planes[0][0]
+        if isinstance(k0, torch.Tensor):
+            caches = [t for kv in planes for t in kv]
+            if not all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in caches):
+                return None
+            return small_gemm.LayerStack(weights, caches, [])
+        if not (isinstance(k0, QuantizedKV) and small_gemm.int8_kv_kernels(k0)):
+            return None
+        if not all(isinstance(k, QuantizedKV) and k.observed is None and isinstance(v, QuantizedKV) for k, v in planes):
+            return None
+        empty = x.new_empty(0)
+        caches = [t for k, v in planes for t in (k.data, k.scale, v.data, v.scale)]
+        transforms = [empty if a is None else a.contiguous()
+                      for k, v in planes for a in (k.shift, k.smooth, k.rotation, v.rotation)]  # fmt: skip
+        return small_gemm.LayerStack(weights, caches, transforms)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -39,6 +39,9 @@ class ShadowCacheProposer(Proposer):
 
     shadows: dict[str, _Shadow]
     shadow_bm: BlockManager
+    #: draft each sequence's argmax even when it samples: a tree verifier (hybrid) needs candidates, not draws,
+    #: and drafting then consumes nothing of the sequence's random stream (seeded output stays reproducible)
+    argmax_drafts: bool = False
 
     def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
         sh = self.shadows.get(seq.request_id)
@@ -129,7 +132,7 @@ class DraftModelProposer(ShadowCacheProposer):
                 seq, sh = seqs[i], self.shadows[seqs[i].request_id]
                 sh.num_computed_tokens = it.start + len(it.tokens)
                 logits = self._fit_vocab(res.logits[-1:])
-                if seq.params.greedy:
+                if seq.params.greedy or self.argmax_drafts:
                     tok = int(logits.argmax(dim=-1))
                 else:
                     q = processed_probs(logits, [seq.params])[0]

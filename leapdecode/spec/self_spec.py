@@ -467,7 +467,7 @@ class SelfSpecProposer(ShadowCacheProposer):
                 if top[j] < self.min_draft_prob:
                     continue  # not confident enough: stop this chain here
                 row = logits[j : j + 1]
-                if seq.params.greedy:
+                if seq.params.greedy or self.argmax_drafts:
                     tok = int(row.argmax(dim=-1))
                 else:
                     q = processed_probs(row, [seq.params])[0]

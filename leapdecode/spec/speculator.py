@@ -55,10 +55,11 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
 
         # under auto, "model" names the draft model, so self_spec uses the shipped adapter
         return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto")
-    raise ValueError(
-        f"speculative method {method!r} is not available in this build yet; available: ngram, draft_model, medusa, "
-        "blockwise, self_spec, auto"
-    )
+    if method == "hybrid":
+        from leapdecode.spec.hybrid import HybridProposer
+
+        return HybridProposer.from_config(cfg, engine)
+    raise ValueError(f"unknown speculative method {method!r}")
 
 
 def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
@@ -288,6 +289,7 @@ class Speculator:
         m = seq.metrics
         m.num_draft_tokens += n
         m.num_accepted_tokens += accepted
+        seq.spec_state["accepted_path"] = path  # which nodes: a hybrid tells its trunk drafter how much was its own
         prop.on_verified(seq, seq.num_tokens, accepted)
         seq.spec_state["hidden_row"] = path[-1] + 1 if path else 0
         return tokens, accepted

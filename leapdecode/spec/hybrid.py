@@ -1,0 +1,198 @@
+"""Hybrid drafting: a draft chain is the trunk of a candidate tree, Medusa heads add branches beside it.
+
+The technique brief's conclusion: a small draft guesses several tokens in a row well, Medusa heads give cheap
+alternatives at each depth, and one tree verification checks both. The tree for one sequence::
+
+    root (last committed token)
+     ├─ t1 ─ t2 ─ t3 ─ m4          trunk t1..t3: the chain drafter's tokens (self_spec or a draft model)
+     ├─ b1   ├─ b2   └─ b3         b_d: the heads' best candidates for depth d other than t_d (``branches`` each)
+                                   m4: the heads' guess for the depth after the trunk (a child of its last node)
+
+Node order is trunk first (node i = t_{i+1}), so the trunk sits in the sequential KV slots right after the root,
+exactly where a chain would be: a self_spec trunk's shared-layer K/V and captured hidden states stay valid when
+the trunk is accepted. Verification is the engine's tree walk (tree.py): greedy follows the target's argmax
+(lossless); sampling draws from the target at each node and descends if the draw is a child (lossless for any
+candidate set), so the trunk drafter proposes its argmax even for sampled requests (``argmax_drafts``) and never
+draws from the sequence's random stream: a seeded request gives exactly the tokens of plain decoding.
+
+Bookkeeping: the chain drafter is told how many *trunk* nodes were accepted (the leading part of the accepted
+path); a branch node that was accepted instead is new to it, like the bonus token, and it catches up on it next
+step. The trunk length follows the dynamic-γ rule on the trunk's acceptance, sized by the engine's cost model;
+``expected_tokens`` adds the measured rate at which a branch rescues a rejected trunk node.
+
+Config: ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the shipped Medusa heads;
+``"model": PATH`` makes a draft model the trunk (``"target"``: the target itself, e.g. with
+``draft_linear_kernel``), unless ``"trunk": "self_spec"`` says PATH is an exit adapter; ``"heads": PATH`` other
+heads, ``"branches": N`` candidates per depth beside the trunk (default 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from leapdecode.engine.sequence import Sequence
+from leapdecode.spec.dynamic_gamma import DynamicGamma, GammaState, StepCostModel, expected_tokens
+from leapdecode.spec.medusa import MedusaProposer
+from leapdecode.spec.proposer import Proposal, Proposer
+
+DEFAULT_BRANCHES = 1
+RESCUE_PRIOR = 0.2  # chance that a branch saves a rejected trunk node, before any measurement
+RESCUE_EMA = 0.05
+
+
+def hybrid_tree(trunk: list[int], candidates: list[list[int]] | None, branches: int,
+                budget: int) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the tree above: ``trunk`` as nodes 0..len-1, then for each depth d = 1..len+1 that the
+    heads cover, up to ``branches`` of ``candidates[d-1]`` (best first) that differ from t_d, as children of
+    t_{d-1} (the root for d = 1). The depth after the trunk takes one candidate. At most ``budget`` nodes; a
+    prefix of the node list is always a valid tree (parents come first)."""
+    tokens, parents = list(trunk[:budget]), list(range(-1, min(len(trunk), budget) - 1))
+    if candidates is None:
+        return tokens, parents
+    for d in range(1, min(len(trunk) + 1, len(candidates)) + 1):
+        want = branches if d <= len(trunk) else 1
+        taken = 0
+        for c in candidates[d - 1]:
+            if taken >= want or len(tokens) >= budget:
+                break
+            if d <= len(trunk) and c == trunk[d - 1]:
+                continue
+            tokens.append(c)
+            parents.append(d - 2)  # trunk node d-1 (index d-2), or -1: the root
+            taken += 1
+    return tokens, parents
+
+
+class HybridProposer(Proposer):
+    """A chain drafter's trunk plus Medusa branches, verified as one tree. Invariant: the chain drafter's shadow
+    state only ever advances by accepted *trunk* nodes (``on_verified``)."""
+
+    name = "hybrid"
+
+    def __init__(self, chain: Proposer, heads: MedusaProposer, branches: int = DEFAULT_BRANCHES,
+                 gamma: DynamicGamma | None = None) -> None:
+        self.chain = chain
+        self.heads = heads
+        self.branches = branches
+        self.gamma = gamma
+        self.rescue_rate = RESCUE_PRIOR  # measured: P(a branch is accepted | trunk rejected at a depth with one)
+        self.num_rescues = 0
+        self._last_trunk = 1
+
+    @classmethod
+    def from_config(cls, cfg, engine) -> HybridProposer:
+        from leapdecode.spec.draft_model import DraftModelProposer
+        from leapdecode.spec.self_spec import SelfSpecProposer
+        from leapdecode.spec.speculator import Speculator
+
+        ex = dict(cfg.extra or {})
+        branches = ex.pop("branches", DEFAULT_BRANCHES)
+        if not isinstance(branches, int) or branches < 0:
+            raise ValueError(f"branches must be an integer >= 0, got {branches!r}")
+        trunk = ex.pop("trunk", "draft_model" if cfg.model else "self_spec")
+        if trunk not in ("self_spec", "draft_model"):
+            raise ValueError(f'trunk must be "self_spec" or "draft_model", got {trunk!r}')
+        if trunk == "draft_model" and not cfg.model:
+            raise ValueError('a draft_model trunk needs "model": PATH (or "target")')
+        heads_cfg = dataclasses.replace(cfg, method="medusa", model=ex.pop("heads", None), extra=ex)
+        heads = MedusaProposer.from_config(heads_cfg, engine)
+        chain: Proposer
+        if trunk == "draft_model":
+            chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
+            if cfg.use_cost_model:
+                chain.step_cost_fn = StepCostModel.calibrate(  # type: ignore[attr-defined]
+                    lambda n: Speculator._timed_step(chain.runner, chain.bm, n), sizes=(1, 2, 4, 8), repeats=3)
+        else:
+            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method="self_spec", extra=ex), engine)
+        chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)
+        return cls(chain, heads, branches, DynamicGamma(cfg))
+
+    # ---------------------------------------------------------------------------------------- sizing
+    def _state(self, seq: Sequence) -> GammaState:
+        st = seq.spec_state.get("hybrid_gamma")
+        if st is None:
+            assert self.gamma is not None
+            st = seq.spec_state["hybrid_gamma"] = self.gamma.new_state()
+        return st
+
+    def expected_tokens(self, alpha: float, trunk: int) -> float:
+        """Chain tokens per step, plus a rescued node where the trunk is first rejected at a depth with branches."""
+        depth = min(trunk, self.heads.heads.max_offset) if self.branches else 0
+        rescue = sum(alpha ** (j - 1) * (1 - alpha) for j in range(1, depth + 1))
+        return expected_tokens(alpha, trunk) + self.rescue_rate * rescue
+
+    def nodes_for(self, trunk: int) -> int:
+        depth = self.heads.heads.max_offset
+        return trunk + self.branches * min(trunk, depth) + (1 if trunk < depth else 0)
+
+    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
+        st = self._state(seq)
+        trunk = max(1, min(st.gamma, room))
+        if cost is not None:
+            best, best_rate = 0, batch / max(cost(batch), 1e-9)
+            for g in range(1, trunk + 1):
+                k = min(self.nodes_for(g), room)
+                t = cost(batch + k) + self.chain.step_cost(batch, g) + self.heads.step_cost(batch, 1)
+                rate = (batch - 1 + self.expected_tokens(st.acceptance_ema, g)) / t
+                if rate > best_rate * 1.02:
+                    best, best_rate = g, rate
+            trunk = best
+        if trunk == 0:
+            st.acceptance_ema += 0.05 * (0.7 - st.acceptance_ema)  # drift back so the sequence retries later
+            return 0, 1.0
+        seq.spec_state["hybrid_trunk"] = trunk
+        self._last_trunk = trunk
+        return min(self.nodes_for(trunk), room), self.expected_tokens(st.acceptance_ema, trunk)
+
+    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self.chain.step_cost(num_seqs, self._last_trunk) + self.heads.step_cost(num_seqs, 1)
+
+    # ---------------------------------------------------------------------------------------- drafting
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        trunks = [min(b, s.spec_state.get("hybrid_trunk", b)) if b > 0 else 0 for s, b in zip(seqs, budgets)]
+        chain = self.chain.propose(seqs, trunks)
+        rows, hidden = self.heads.fresh_hidden(seqs, budgets)
+        cand: dict[int, list[list[int]]] = {}
+        if hidden is not None:
+            cand = dict(zip(rows, self.heads.candidates(hidden).tolist()))
+        props = []
+        for i, (seq, budget) in enumerate(zip(seqs, budgets)):
+            trunk = list(chain[i].tokens)
+            if budget <= 0 or (not trunk and i not in cand):
+                seq.spec_state["hybrid_trunk_len"] = 0
+                props.append(Proposal([]))
+                continue
+            tokens, parents = hybrid_tree(trunk, cand.get(i), self.branches, budget)
+            seq.spec_state["hybrid_trunk_len"] = min(len(trunk), budget)
+            props.append(Proposal(tokens, None, parents))
+        return props
+
+    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
+        path = seq.spec_state.get("accepted_path") or []
+        trunk_len = seq.spec_state.pop("hybrid_trunk_len", 0)
+        on_trunk = 0
+        while on_trunk < min(len(path), trunk_len) and path[on_trunk] == on_trunk:
+            on_trunk += 1
+        self.chain.on_verified(seq, num_prefix_tokens, on_trunk)
+        if trunk_len:
+            assert self.gamma is not None
+            self.gamma.update(self._state(seq), trunk_len, on_trunk)
+        if self.branches and on_trunk < trunk_len and on_trunk < self.heads.heads.max_offset:
+            rescued = len(path) > on_trunk
+            self.num_rescues += rescued
+            self.rescue_rate += RESCUE_EMA * (float(rescued) - self.rescue_rate)
+
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        self.chain.observe(seq, hidden)
+        self.heads.observe(seq, hidden)
+
+    def release(self, seq: Sequence) -> None:
+        self.chain.release(seq)
+        self.heads.release(seq)
+
+
+__all__ = ["HybridProposer", "hybrid_tree"]
