@@ -20,6 +20,12 @@
 
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel stream
+// block records (384-576 bytes each) prefetched ahead in the Q4/Q8 record streams: 8 rather than 2 made a decode
+// step 8% (int8 activations) to 17% (float activations) faster here, interleaved A/B in one process; with the
+// weights resident in the shared L3 it hardly matters, when other tenants push them to DRAM it does
+#ifndef PREFETCH_RECORDS
+#define PREFETCH_RECORDS 8
+#endif
 
 // The one accumulation every kernel here uses (even and odd k in separate sums, added at the end): sharing it is
 // what keeps the block-format kernels bit-identical to the float32 one.
@@ -176,7 +182,7 @@ template <bool Q4, class F>
 static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
   constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
   for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
-    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + 2 * REC + line);
+    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
     v16f d, m = v16f{};
     __builtin_memcpy(&d, rec, 64);
     if (Q4) __builtin_memcpy(&m, rec + 64, 64);
@@ -305,7 +311,7 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, rec += REC) {
-    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + 2 * REC + line);
+    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
     __m512i i0[R], i1[R];  // two integer chains per row (even / odd quarter-lines) against vpdpbusd latency
     for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
     const int8_t* xb = xq + b * 32;
