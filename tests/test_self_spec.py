@@ -233,6 +233,19 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     default = LLM.from_engine_of(plain4, speculative_config={"method": "self_spec", "use_cost_model": False},
                                  kv_cache_blocks=256)
     assert default.engine.speculator.proposer.num_shared_layers == 3
+    # an adapter whose measured agreement cannot pay for its step cost: auto leaves it out and stops the capture
+    poor = tmp_path / "poor"
+    poor.mkdir()
+    for f in adapters["exact"].iterdir():
+        (poor / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((poor / "config.json").read_text())
+    cfg["validation"] = {"agree": 0.02, "agree_confident": 0.02}
+    (poor / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", poor)
+    auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
+    assert set(auto.engine.speculator.proposers) == {"ngram"} and auto.engine.speculator.dropped == {"self_spec": 0.02}
+    assert auto.engine.runner.capture_fn is None
+    assert _tokens(auto, PROMPTS, GREEDY) == want
 
 
 # ------------------------------------------------------------------------------------------------- training

@@ -39,6 +39,10 @@ class Proposer(ABC):
     #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
     #: how fast this machine happened to be when the cost model was calibrated)
     fixed_budget: bool = False
+    #: per-token acceptance measured for this drafter on held-out data (a trained artefact's validation), or None;
+    #: the speculator starts each sequence's estimate there instead of an optimistic default, and ``auto`` drops
+    #: a drafter whose measured acceptance cannot pay for its step cost on this machine
+    prior_acceptance: float | None = None
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]: ...

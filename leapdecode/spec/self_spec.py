@@ -50,6 +50,7 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
+from leapdecode.layers import small_gemm
 from leapdecode.layers.attention import AttentionMetadata
 from leapdecode.layers.linear import shard_tensor
 from leapdecode.layers.rotary import apply_rotary
@@ -286,8 +287,13 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.target_runner.capture_fn = self._capture
         self.vocab_subset = None if vocab_subset is None else vocab_subset.to(self.device, torch.long)
         self._head_subset: torch.Tensor | None = None
+        self._head_subset_packed: torch.Tensor | None = None
         if self.vocab_subset is not None:
             self._head_subset = self.model.lm_head.get_weight().index_select(0, self.vocab_subset)
+        # the adapter layer and a subset head through the engine's few-row kernel, as the target's own layers:
+        # unpacked, the adapter alone read 14 MB of float32 weights per draft step through torch's ops
+        if engine.pack_linears(adapter) and self._head_subset is not None:
+            self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset)
         self.step_cost_fn = None
         # counters (see the module docstring)
         self.num_shared_tokens = 0
@@ -326,11 +332,24 @@ class SelfSpecProposer(ShadowCacheProposer):
                 raise ValueError(f"draft_vocab={draft_vocab} needs a ranked vocabulary, and {path} has none")
             subset = ranked[:draft_vocab]
         prop = cls(engine, adapter, float(min_p), subset)
+        val = acfg.get("validation") or {}
+        # drafting stops below min_draft_prob, so a drafted token's acceptance is the agreement where the draft is
+        # that confident (valid when the threshold is the one the artefact was validated at)
+        key = "agree_confident" if float(min_p) == float(acfg.get("min_draft_prob", -1)) and min_p > 0 else "agree"
+        if isinstance(val.get(key), (int, float)) and subset is None:  # (a vocabulary subset agrees less)
+            prop.prior_acceptance = float(val[key])
         if cfg.use_cost_model or cfg.method == "auto":
             from leapdecode.spec.dynamic_gamma import StepCostModel
 
             prop.step_cost_fn = StepCostModel.calibrate(prop._timed_draft_step, sizes=(1, 2, 4, 8), repeats=3)
         return prop
+
+    def detach(self) -> None:
+        """Stop capturing the target's hidden states (``auto`` dropped this drafter); frees the hidden pool."""
+        if self.target_runner.capture_fn == self._capture:
+            self.target_runner.capture_fn = None
+            self.target_runner.capture_layer = None
+        self.h_pool = self.h_pool.new_zeros(0, self.h_pool.shape[1])
 
     # ------------------------------------------------------------------------------------ target capture
     def _capture(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -389,7 +408,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         rest are -inf (never drafted)."""
         if self._head_subset is None:
             return self.model.compute_logits(hidden).float()
-        sub = F.linear(hidden, self._head_subset).float()
+        sub = small_gemm.linear(hidden, self._head_subset, None, self._head_subset_packed).float()
         out = sub.new_full((hidden.shape[0], self.model.config.vocab_size), float("-inf"))
         out[:, self.vocab_subset] = sub
         return out

@@ -96,6 +96,7 @@ class Speculator:
         else:
             self.proposers = {name: make_proposer(cfg, engine, name) for name in names}
         self.proposer = next(iter(self.proposers.values()))  # the proposer of single-method configs
+        self.dropped: dict[str, float] = {}  # auto: drafters left out as unprofitable here -> their prior
         self.gamma = DynamicGamma(cfg)
         self.cost: StepCostModel | None = None
         # measured Python-side cost of speculating, per drafting sequence and step (EMA, seconds): proposing
@@ -114,6 +115,26 @@ class Speculator:
                         lambda n, r=draft_runner, b=prop.bm: self._timed_step(r, b, n),  # type: ignore[attr-defined]
                         sizes=(1, 2, 4, 8), repeats=3,
                     )
+        if cfg.method == "auto" and self.cost is not None:
+            self._drop_unprofitable()
+
+    def _drop_unprofitable(self) -> None:
+        """``auto``: leave out chain drafters whose measured acceptance (``prior_acceptance``) cannot pay for
+        their measured step cost at batch 1 here: trying them would cost steps on every sequence until its
+        estimate fell, and again each time it drifted back. A drafter with no measurement stays."""
+        assert self.cost is not None
+        for name, prop in list(self.proposers.items()):
+            prior = prop.prior_acceptance
+            if prior is None or len(self.proposers) == 1:
+                continue
+            draft = lambda g, p=prop: p.step_cost(1, g)  # noqa: E731
+            if self.cost.best_gamma(prior, self.cfg.max_draft_tokens, 1, 1, draft) == 0:
+                del self.proposers[name]
+                self.dropped[name] = prior
+                detach = getattr(prop, "detach", None)
+                if detach is not None:
+                    detach()  # e.g. self_spec stops capturing the target's hidden states
+        self.proposer = next(iter(self.proposers.values()))
 
     # -------------------------------------------------------------------------------------- calibration
     def _timed_target_step(self, n: int) -> None:
@@ -134,7 +155,13 @@ class Speculator:
         st = seq.spec_state.get(key)
         if st is None:
             st = seq.spec_state[key] = self.gamma.new_state()
+            st.acceptance_ema = self.prior(method)
         return st
+
+    def prior(self, method: str) -> float:
+        """Where a sequence's acceptance estimate for ``method`` starts, and drifts back to while not drafting."""
+        p = self.proposers[method].prior_acceptance
+        return PRIOR_ACCEPTANCE if p is None else p
 
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
@@ -171,7 +198,7 @@ class Speculator:
                 if k == 0:
                     # drift back toward the prior while not drafting, so a sequence whose text turns
                     # repetitive (or copies from its input) gets to try again
-                    st.acceptance_ema += 0.05 * (PRIOR_ACCEPTANCE - st.acceptance_ema)
+                    st.acceptance_ema += 0.05 * (self.prior(name) - st.acceptance_ema)
                     continue
                 t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
                 rate = (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
