@@ -106,16 +106,33 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run_leapdecode(llm, prompts_ids: list[list[int]], params, label: str, batched: bool) -> tuple[Row, Row | None]:
-    from leapdecode.llm import LLM  # noqa: F401  (type only)
+def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int]], params,
+                   batched: bool) -> list[tuple[Row, Row | None]]:
+    """Batch-1 rows for every (label, LLM) in ``engines``, interleaved: prompt i runs on every engine in turn
+    (starting with engine i mod n), so a slow or fast spell of a shared machine lands on all of them alike and the
+    ratios between rows hold even when absolute speed drifts. Then, per engine, one batched run of all prompts."""
+    n = len(engines)
+    outs: list[list] = [[] for _ in range(n)]
+    wall: list[list[float]] = [[] for _ in range(n)]
+    bar = tqdm(total=n * len(prompts_ids), desc="batch 1, interleaved", leave=False)
+    for i, ids in enumerate(prompts_ids):
+        for j in [(i + k) % n for k in range(n)]:
+            t0 = time.perf_counter()
+            outs[j].append(engines[j][1].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0])
+            wall[j].append(time.perf_counter() - t0)
+            bar.update(1)
+    bar.close()
+    result = []
+    for (label, llm), o, w in zip(engines, outs, wall):
+        row = _batch1_row(label, o, w)
+        brow = _batched_row(llm, label, prompts_ids, params) if batched and len(prompts_ids) > 1 else None
+        print(f"  {label}: {row.tok_per_s:.1f} tok/s at batch 1" + (
+            f", {brow.tok_per_s:.1f} tok/s at batch {brow.batch}" if brow else ""), file=sys.stderr, flush=True)
+        result.append((row, brow))
+    return result
 
-    eng = llm.engine
-    outs = []
-    wall = []
-    for ids in tqdm(prompts_ids, desc=f"{label} batch 1", leave=False):
-        t0 = time.perf_counter()
-        outs.append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0])
-        wall.append(time.perf_counter() - t0)
+
+def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     tps = [len(o.outputs[0].token_ids) / w for o, w in zip(outs, wall)]
     ttft = [o.metrics.ttft_s * 1e3 for o in outs]
     tpot = [
@@ -125,24 +142,23 @@ def run_leapdecode(llm, prompts_ids: list[list[int]], params, label: str, batche
     ]
     steps = sum(o.metrics.num_target_steps for o in outs)
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    row = Row("leapdecode", label, 1, len(outs), ntok, _median(tps), _median(ttft), _median(tpot),
-              ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
-              num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
-    brow = None
-    if batched and len(prompts_ids) > 1:
-        t0 = time.perf_counter()
-        bouts = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
-        w = time.perf_counter() - t0
-        btok = sum(len(o.outputs[0].token_ids) for o in bouts)
-        bsteps = sum(o.metrics.num_target_steps for o in bouts)
-        brow = Row("leapdecode", label, len(prompts_ids), len(bouts), btok, btok / w,
-                   _median([o.metrics.ttft_s * 1e3 for o in bouts]),
-                   _median([(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1)
-                            for o in bouts]),
-                   btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts],
-                   num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in bouts))
-    del eng
-    return row, brow
+    return Row("leapdecode", label, 1, len(outs), ntok, _median(tps), _median(ttft), _median(tpot),
+               ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
+               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
+
+
+def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
+    t0 = time.perf_counter()
+    bouts = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
+    w = time.perf_counter() - t0
+    btok = sum(len(o.outputs[0].token_ids) for o in bouts)
+    bsteps = sum(o.metrics.num_target_steps for o in bouts)
+    return Row("leapdecode", label, len(prompts_ids), len(bouts), btok, btok / w,
+               _median([o.metrics.ttft_s * 1e3 for o in bouts]),
+               _median([(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1)
+                        for o in bouts]),
+               btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts],
+               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in bouts))
 
 
 def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
@@ -334,6 +350,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ]
     print("\n".join(header), flush=True)
     rows: list[Row] = []
+    engines: list[tuple[str, str, object]] = []  # (label, kernel tag, LLM)
     for kernel in kernels:
         # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
         # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
@@ -347,14 +364,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if cfg is not None:
                 cfg = {**cfg, **overrides.get(m, {})}
             llm = kbase if cfg is None else LLM.from_engine_of(kbase, speculative_config=cfg)
-            label = f"{m} [{tag}]" if tag else m
-            r1, rb = run_leapdecode(llm, prompts_ids, params, label, batched=not args.no_batched)
-            for r in (r1, rb):
-                if r:
-                    r.kernel = tag
-                    rows.append(r)
-            print(f"  {label}: {r1.tok_per_s:.1f} tok/s at batch 1" + (
-                f", {rb.tok_per_s:.1f} tok/s at batch {rb.batch}" if rb else ""), file=sys.stderr, flush=True)
+            engines.append((f"{m} [{tag}]" if tag else m, tag, llm))
+    results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
+                             batched=not args.no_batched)
+    for (_, tag, _), (r1, rb) in zip(engines, results):
+        for r in (r1, rb):
+            if r:
+                r.kernel = tag
+                rows.append(r)
     eos = list(eng.eos_token_ids)
     if "hf" in compare:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
@@ -384,8 +401,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table += run_prefix_reuse(base, prompts_ids, "Second question?")
     notes = [
         "",
-        "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batched rows are total "
-        "output tokens / wall time with all requests submitted at once. speedup is against leapdecode `none` at the "
+        "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batch-1 requests are "
+        "interleaved (each prompt runs on every engine in turn, so a slow spell of a shared machine hits all rows "
+        "alike; external systems run after them). Batched rows are total output tokens / wall time with all "
+        "requests submitted at once. speedup is against leapdecode `none` at the "
         "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
         "time per target step. Rows labelled [kernel] ran with that linear_kernel; their `identical` column compares "
         "with `none` under the same kernel (their speedup is still against the first `none`), and `none [kernel]`'s "
