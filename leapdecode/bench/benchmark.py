@@ -102,6 +102,9 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
+BATCHED_ROUNDS = 3  # batched rows: the median of this many runs per engine, interleaved like batch-1 requests
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -110,7 +113,8 @@ def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int
                    batched: bool) -> list[tuple[Row, Row | None]]:
     """Batch-1 rows for every (label, LLM) in ``engines``, interleaved: prompt i runs on every engine in turn
     (starting with engine i mod n), so a slow or fast spell of a shared machine lands on all of them alike and the
-    ratios between rows hold even when absolute speed drifts. Then, per engine, one batched run of all prompts."""
+    ratios between rows hold even when absolute speed drifts. Then batched rows (all prompts at once), the median
+    of ``BATCHED_ROUNDS`` rounds over the engines in rotating order (one run each varied by +-20% here)."""
     n = len(engines)
     outs: list[list] = [[] for _ in range(n)]
     wall: list[list[float]] = [[] for _ in range(n)]
@@ -122,10 +126,15 @@ def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int
             wall[j].append(time.perf_counter() - t0)
             bar.update(1)
     bar.close()
+    brows: list[list[Row]] = [[] for _ in range(n)]
+    if batched and len(prompts_ids) > 1:  # all prompts at once, BATCHED_ROUNDS times per engine, rotating order
+        for r in tqdm(range(BATCHED_ROUNDS), desc="batched rounds", leave=False):
+            for j in [(r + k) % n for k in range(n)]:
+                brows[j].append(_batched_row(engines[j][1], engines[j][0], prompts_ids, params))
     result = []
-    for (label, llm), o, w in zip(engines, outs, wall):
+    for (label, _), o, w, b in zip(engines, outs, wall, brows):
         row = _batch1_row(label, o, w)
-        brow = _batched_row(llm, label, prompts_ids, params) if batched and len(prompts_ids) > 1 else None
+        brow = sorted(b, key=lambda x: x.tok_per_s)[len(b) // 2] if b else None  # the median round
         print(f"  {label}: {row.tok_per_s:.1f} tok/s at batch 1" + (
             f", {brow.tok_per_s:.1f} tok/s at batch {brow.batch}" if brow else ""), file=sys.stderr, flush=True)
         result.append((row, brow))
@@ -404,7 +413,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batch-1 requests are "
         "interleaved (each prompt runs on every engine in turn, so a slow spell of a shared machine hits all rows "
         "alike; external systems run after them). Batched rows are total output tokens / wall time with all "
-        "requests submitted at once. speedup is against leapdecode `none` at the "
+        f"requests submitted at once (median of {BATCHED_ROUNDS} rounds, engines in rotating order). "
+        "speedup is against leapdecode `none` at the "
         "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
         "time per target step. Rows labelled [kernel] ran with that linear_kernel; their `identical` column compares "
         "with `none` under the same kernel (their speedup is still against the first `none`), and `none [kernel]`'s "
