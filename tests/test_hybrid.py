@@ -5,9 +5,11 @@ leaks."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.models.loader import load_model
@@ -18,6 +20,7 @@ from leapdecode.spec.tree import depths_of, path_to
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, save_random_heads
+from .test_tree import _logits, _tree_forward
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -71,6 +74,30 @@ def _hybrid(plain: LLM, parts, kind: str, **kw) -> LLM:
     if kind == "self_spec":  # "model" names the adapter for a self_spec trunk
         cfg["trunk"] = "self_spec"
     return LLM.from_engine_of(plain, speculative_config=cfg, kv_cache_blocks=256, block_size=4)
+
+
+def test_hybrid_tree_logits_match_each_path_brute_force(plain4):
+    """Hybrid trees (trunk + branches + the guess after the trunk) verified in one forward next to a second
+    sequence: every node's logits equal a plain forward over prompt + that node's path."""
+    eng = plain4.engine
+    g = random.Random(4)
+    prompts = [[g.randrange(100, 5000) for _ in range(11)], [g.randrange(100, 5000) for _ in range(6)]]
+    trees = []
+    for trunk_len in (3, 2):
+        trunk = [g.randrange(100, 5000) for _ in range(trunk_len)]
+        cand = [[g.randrange(100, 5000) for _ in range(3)] for _ in range(4)]
+        cand[0][0] = trunk[0]  # a candidate equal to the trunk token is skipped, not duplicated
+        trees.append(hybrid_tree(trunk, cand, branches=2, budget=16))
+    shadows, results = _tree_forward(eng, prompts, trees)
+    try:
+        for prompt, (tokens, parents), res in zip(prompts, trees, results):
+            assert len(set(zip(tokens, parents))) == len(tokens)  # no node twice under one parent
+            for i in range(len(tokens)):
+                path = [tokens[j] for j in path_to(i, parents)]
+                assert torch.allclose(res.logits[i + 1], _logits(eng, prompt + path)[-1], atol=1e-4, rtol=1e-4), i
+    finally:
+        for sh in shadows:
+            eng.block_manager.free(sh)
 
 
 @pytest.mark.parametrize("trunk", ["self_spec", "draft_model"])
