@@ -18,7 +18,7 @@ a candidate tree (Medusa, hybrid) replaces the causal rule among the new tokens 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +40,15 @@ class SeqAttention:
     block_table: list[int]
     block_size: int
     tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool among the new tokens; None = causal
+    _slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def slots(self) -> torch.Tensor:
-        table = torch.tensor(self.block_table, dtype=torch.long)
-        return (table.unsqueeze(1) * self.block_size + torch.arange(self.block_size)).view(-1)[: self.ctx_len]
+        """Cache slot of every position 0 .. ctx_len-1. Built once: a step asks for it three times (the K/V
+        write mapping, the padded groups, the C++ rows kernel), and the block table does not change within it."""
+        if self._slots is None:
+            table = torch.tensor(self.block_table, dtype=torch.long).unsqueeze(1)
+            self._slots = (table * self.block_size + torch.arange(self.block_size)).view(-1)[: self.ctx_len]
+        return self._slots
 
     def contiguous_start(self) -> int | None:
         """First slot when the positions 0..ctx_len-1 occupy one run of slots (read through a view)."""
