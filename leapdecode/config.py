@@ -72,7 +72,6 @@ class SpeculativeConfig:
         )
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
-        _check(self.method != "draft_model" or bool(self.model), 'method "draft_model" needs "model": PATH')
         _check(
             self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,
             f"draft_linear_kernel must be None or one of {LINEAR_KERNELS}, got {self.draft_linear_kernel!r}",

@@ -77,7 +77,8 @@ def _layer_row_counters(model) -> tuple[list[int], list]:
 
 
 # ------------------------------------------------------------------------------------------------ the adapter
-def test_dense_training_forward_matches_the_paged_inference_forward(tiny4):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_dense_training_forward_matches_the_paged_inference_forward(tiny4, num_layers: int):
     """The training forward (dense causal attention) and the engine's (paged cache, flat batch) agree."""
     from leapdecode.engine.block_manager import BlockManager
     from leapdecode.engine.kv_cache import KVCache
@@ -85,13 +86,13 @@ def test_dense_training_forward_matches_the_paged_inference_forward(tiny4):
     from leapdecode.spec.draft_model import _Shadow
 
     model, cfg = load_model(tiny4)
-    adapter = ExitAdapter.from_target(model, 2, "next")
+    adapter = ExitAdapter.from_target(model, 2, "next", num_layers)
     lens = [7, 3]
     h = torch.randn(2, 7, cfg.hidden_size) * 3
     dense = adapter.forward_dense(h, model.rope.table(torch.arange(7), h.dtype))
     from dataclasses import replace
 
-    kv = KVCache(replace(cfg, num_hidden_layers=1), 8, 4, torch.float32, torch.device("cpu"))
+    kv = KVCache(replace(cfg, num_hidden_layers=num_layers), 8, 4, torch.float32, torch.device("cpu"))
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     runner = ModelRunner(model, kv, 4, torch.device("cpu"))
     shadows = [_Shadow(), _Shadow()]
@@ -101,7 +102,7 @@ def test_dense_training_forward_matches_the_paged_inference_forward(tiny4):
     _, pos, meta, _ = runner.prepare(items)
     flat = torch.cat([h[0, :7], h[1, :3]])
     with torch.no_grad():
-        paged = adapter(flat, model.rope.table(pos, flat.dtype), kv.layers[0], meta)
+        paged = adapter(flat, model.rope.table(pos, flat.dtype), kv.layers, meta)
     torch.testing.assert_close(paged[:7], dense[0, :7], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(paged[7:], dense[1, :3], atol=1e-4, rtol=1e-4)
 
@@ -110,7 +111,7 @@ def test_adapter_roundtrip_and_compatibility_checks(tiny4, adapters, make_tiny_m
     model, _ = load_model(tiny4)
     loaded, cfg, ranked = load_adapter(adapters["exact"], model)
     assert cfg["layer"] == 3 and ranked is None
-    torch.testing.assert_close(loaded.layer.mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
+    torch.testing.assert_close(loaded.layers[0].mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
     other, _ = load_model(make_tiny_model(num_hidden_layers=4, hidden_size=32, intermediate_size=64))
     with pytest.raises(ValueError, match="another model architecture"):
         load_adapter(adapters["exact"], other)
@@ -218,7 +219,7 @@ def test_sampling_with_self_spec_runs_and_accepts(adapters, plain4):
 def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapters, plain4, tiny4, want,
                                                                             monkeypatch, tmp_path):
     monkeypatch.setattr(self_spec, "ARTIFACT_DIR", tmp_path / "none")
-    with pytest.raises(ValueError, match="needs a trained exit adapter"):
+    with pytest.raises(ValueError, match="needs a trained drafter"):
         LLM.from_engine_of(plain4, speculative_config={"method": "self_spec"})
     with pytest.raises(ValueError, match="min_draft_prob"):
         _spec_llm(plain4, adapters["exact"], min_draft_prob=2)
@@ -244,7 +245,7 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     monkeypatch.setattr(self_spec, "ARTIFACT_DIR", poor)
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
     assert set(auto.engine.speculator.proposers) == {"ngram"} and auto.engine.speculator.dropped == {"self_spec": 0.02}
-    assert auto.engine.runner.capture_fn is None
+    assert not auto.engine.runner.captures
     assert _tokens(auto, PROMPTS, GREEDY) == want
 
 
@@ -263,7 +264,7 @@ def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, 
             "--warmup", "2", "--hard-weight", "0.5"]
     assert main([*args, "--epochs", "2"]) == 0
     rec = json.loads((out / "record.json").read_text())
-    assert rec["command"].startswith("leapdecode train self-spec --data")
+    assert rec["command"].startswith("leapdecode train self-spec --layer 2 --adapter-layers 1 ")
     assert rec["data"]["manifest"]["num_prompts"] == len(topics) and rec["seed"] == 0
     assert main([*args, "--epochs", "4"]) == 0  # resumes from the checkpoint: two more epochs
     assert "resuming from" in capsys.readouterr().out
@@ -281,3 +282,43 @@ def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, 
         assert _tokens(spec, PROMPTS, GREEDY) == want
         assert spec.engine.stats["num_draft_tokens"] > 0
         assert_no_leaks(spec)
+
+
+def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny4, plain4, want, tmp_path,
+                                                                             monkeypatch):
+    """`leapdecode train draft`: N layers over the target's own embedding with its norm and LM head (an adapter
+    with no shared layers) lowers its loss and writes an artefact that `draft_model` drafts with -- by path, and
+    without one when it is the shipped draft -- token-identical to plain decoding, capturing nothing but the
+    embeddings from the target's passes."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
+                                 for i, t in enumerate(["cats", "rivers", "clocks", "bread", "snow", "maps"])))
+    data = tmp_path / "distill"
+    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
+                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    out = tmp_path / "draft"
+    assert main(["train", "draft", "--data", str(data), "--layers", "2", "--model", str(tiny4), "--out", str(out),
+                 "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25", "--lr", "3e-3",
+                 "--warmup", "2", "--epochs", "3", "--no-estimate"]) == 0
+    rec = json.loads((out / "record.json").read_text())
+    assert rec["command"].startswith("leapdecode train draft --layers 2 ")
+    hist = rec["history"]
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"] and min(h["val_loss"] for h in hist[1:]) < hist[0]["val_loss"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer"] == 0 and cfg["num_layers"] == 2
+    spec = LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "model": str(out),
+                                                          "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=256)
+    prop = spec.engine.speculator.proposer
+    assert isinstance(prop, SelfSpecProposer) and prop.num_shared_layers == 0 and prop.adapter.num_layers == 2
+    assert list(spec.engine.runner.captures) == [0]
+    assert _tokens(spec, PROMPTS, GREEDY) == want
+    assert spec.engine.stats["num_draft_tokens"] > 0 and prop.num_fallback_tokens == 0
+    assert_no_leaks(spec)
+    monkeypatch.setattr(self_spec, "DRAFT_DIR", out)  # "ship" it: draft_model with no path uses it
+    shipped = LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "use_cost_model": False},
+                                 kv_cache_blocks=256)
+    assert shipped.engine.speculator.proposer.adapter.num_layers == 2
+    monkeypatch.setattr(self_spec, "DRAFT_DIR", tmp_path / "none")
+    with pytest.raises(ValueError, match="train draft"):
+        LLM.from_engine_of(plain4, speculative_config={"method": "draft_model"})

@@ -11,6 +11,8 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.layers.attention import SMALL_QUERY, SeqAttention, build_attention_metadata
 from leapdecode.models.llama import LlamaForCausalLM
 
+CaptureFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 @dataclass
 class ForwardItem:
@@ -44,11 +46,11 @@ class ModelRunner:
         self.group_size = model.config.num_attention_heads // model.config.num_key_value_heads
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
-        # Self-speculation (spec/self_spec.py) reads the residual stream after the first ``capture_layer`` layers
-        # of every full pass, so its drafter reuses the target's own hidden states for committed tokens instead
-        # of recomputing the shared layers. ``capture_fn(hidden, input_ids, positions, slot_mapping)``.
-        self.capture_layer: int | None = None
-        self.capture_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        # Self-speculation (spec/self_spec.py) reads the residual stream after the first L layers of every full
+        # pass, so its drafter reuses the target's own hidden states for committed tokens instead of recomputing
+        # the shared layers. ``captures`` maps L -> fns called as ``fn(hidden, input_ids, positions,
+        # slot_mapping)``; several drafters (auto: self_spec at L=15 and the small draft at L=0) may listen.
+        self.captures: dict[int, list[CaptureFn]] = {}
 
     def prepare(self, items: list[ForwardItem]):
         ids: list[int] = []
@@ -76,15 +78,27 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query)
         return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
+    def add_capture(self, layer: int, fn: CaptureFn) -> None:
+        self.captures.setdefault(layer, []).append(fn)
+
+    def remove_capture(self, fn: CaptureFn) -> None:
+        for layer in list(self.captures):
+            self.captures[layer] = [f for f in self.captures[layer] if f != fn]
+            if not self.captures[layer]:
+                del self.captures[layer]
+
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem], layers: range | None = None) -> list[ForwardResult]:
         input_ids, pos, meta, rows = self.prepare(items)
         kv = self.kv_cache.layers
-        if self.capture_fn is not None and self.capture_layer is not None and layers is None:
-            cut = self.capture_layer
-            h = self.model(input_ids, pos, kv, meta, layers=range(cut), final_norm=False)
-            self.capture_fn(h, input_ids, pos, meta.slot_mapping)
-            hidden = self.model(input_ids, pos, kv, meta, layers=range(cut, len(self.model.layers)), hidden=h)
+        if self.captures and layers is None:  # the full pass in segments, handing each cut's hidden state out
+            h, start = None, 0
+            for cut in sorted(self.captures):
+                h = self.model(input_ids, pos, kv, meta, layers=range(start, cut), hidden=h, final_norm=False)
+                for fn in self.captures[cut]:
+                    fn(h, input_ids, pos, meta.slot_mapping)
+                start = cut
+            hidden = self.model(input_ids, pos, kv, meta, layers=range(start, len(self.model.layers)), hidden=h)
         else:
             hidden = self.model(input_ids, pos, kv, meta, layers=layers)
         self.num_forward_calls += 1

@@ -13,12 +13,12 @@ What is shared, and why nothing is computed twice for committed tokens:
   overwrites them; for accepted tokens it writes exactly what the draft wrote (same inputs), so the drafter
   never has to recompute the shared layers for tokens it has already drafted and never runs them over a prompt.
 - **h_L for committed tokens** comes from the target: the engine's runner hands every full pass's layer-L
-  residual stream to :meth:`SelfSpecProposer._capture` (``ModelRunner.capture_fn``), which files it by KV slot in
+  residual stream to :meth:`SelfSpecProposer._capture` (``ModelRunner.add_capture``), which files it by KV slot in
   ``h_pool`` (one hidden vector per target slot, ~5% of a float KV cache) with the position and token id it
   belongs to. A prompt, or the last draft of a fully accepted chain (which the drafter never fed), is caught up
   by running *only the adapter* on those stored rows.
-- **The adapter's K/V** is the only state the drafter owns: a one-layer paged cache with its own block tables
-  (``adapter_bm``), rolled back to the committed prefix after each verification (``on_verified``) and freed
+- **The adapter's K/V** is the only state the drafter owns: a paged cache of its layers with its own block
+  tables (``adapter_bm``), rolled back to the committed prefix after each verification (``on_verified``) and freed
   when the request ends (``release``).
 
 Counters (``num_shared_tokens`` = rows the drafter put through layers [0, L), ``num_adapter_tokens``,
@@ -61,6 +61,7 @@ from leapdecode.spec.draft_model import ShadowCacheProposer, _Shadow
 from leapdecode.spec.proposer import Proposal
 
 ARTIFACT_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "self_spec"
+DRAFT_DIR = ARTIFACT_DIR.parent / "draft"  # the small draft: an adapter with L = 0 (``leapdecode train draft``)
 WEIGHTS_FILE = "adapter.safetensors"
 CONFIG_FILE = "config.json"
 RECORD_FILE = "record.json"
@@ -73,65 +74,87 @@ ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
 
 # ------------------------------------------------------------------------------------------------ the adapter
 class ExitAdapter(nn.Module):
-    """One decoder layer (the target's architecture) and an RMSNorm: ``h_L -> norm(layer(h_L))``, fed to the
-    target's LM head. ``layer_index`` is L, the number of target layers the drafter shares."""
+    """``num_layers`` decoder layers (the target's architecture) and an RMSNorm: ``h_L -> norm(layers(h_L))``, fed
+    to the target's LM head. ``layer_index`` is L, the number of target layers the drafter shares. L = 0 makes it a
+    small draft model of its own that shares only the target's embedding and LM head (``draft_model`` without a
+    path; brief: a draft with <= 1/10 of the target's non-embedding parameters is 3 of SmolLM2's 30 layers)."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, num_layers: int = 1) -> None:
         super().__init__()
-        if not 1 <= layer_index < cfg.num_hidden_layers:
-            raise ValueError(f"the exit layer L must be in [1, {cfg.num_hidden_layers - 1}], got {layer_index}")
+        if not 0 <= layer_index < cfg.num_hidden_layers:
+            raise ValueError(f"the exit layer L must be in [0, {cfg.num_hidden_layers - 1}], got {layer_index}")
+        if not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"an adapter has 1 to {cfg.num_hidden_layers} layers, got {num_layers}")
         self.config = cfg
         self.layer_index = layer_index
-        self.layer = DecoderLayer(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     def forward(
         self,
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Inference over a flat batch and the adapter's own one-layer paged cache (same kernels as the target)."""
-        return self.norm(self.layer(h, rope, kv, meta))
+        """Inference over a flat batch and the adapter's own paged cache (one entry of ``kv`` per layer; the
+        same kernels as the target)."""
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            h = layer(h, rope, layer_kv, meta)
+        return self.norm(h)
 
     def forward_dense(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Differentiable training forward: ``h`` [B, T, H] right-padded sequences starting at position 0, plain
         causal attention (padding sits after every real token, so it is never attended to). Matches
         :meth:`forward` numerically; tests check it."""
-        layer = self.layer
-        attn = layer.self_attn
-        b, t, _ = h.shape
-        x = layer.input_layernorm(h)
-        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.view(b, t, attn.num_heads, attn.head_dim)
-        k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
-        v = v.view(b, t, attn.num_kv_heads, attn.head_dim)
-        q, k = apply_rotary(q, k, rope)
-        group = attn.num_heads // attn.num_kv_heads
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
-        x2 = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, attn.q_size))
-        return self.norm(x2 + layer.mlp(layer.post_attention_layernorm(x2)))
+        for layer in self.layers:
+            h = _dense_layer(layer, h, rope)
+        return self.norm(h)
 
     @classmethod
-    def from_target(cls, target: LlamaForCausalLM, layer_index: int, init: str = "next") -> ExitAdapter:
-        """Start from a target layer so training begins near a working exit: ``next`` copies layer L (the layer
-        that reads h_L in the target), ``last`` the target's last layer (which feeds the final norm and head);
-        the norm always starts as the target's final norm."""
+    def from_target(cls, target: LlamaForCausalLM, layer_index: int, init: str = "next",
+                    num_layers: int = 1) -> ExitAdapter:
+        """Start from target layers so training begins near a working exit: ``next`` copies layers L .. L+N-1
+        (the layers that read h_L in the target), ``last`` the target's last N layers (which feed the final norm
+        and head); the norm always starts as the target's final norm."""
         cfg = target.config
-        adapter = cls(cfg, layer_index)
+        adapter = cls(cfg, layer_index, num_layers)
         p = next(target.parameters())
         adapter.to(device=p.device, dtype=p.dtype)
-        src = {"next": layer_index, "last": cfg.num_hidden_layers - 1}.get(init)
-        if src is None:
+        first = {"next": layer_index, "last": cfg.num_hidden_layers - num_layers}.get(init)
+        if first is None:
             raise ValueError(f"unknown adapter init {init!r}; choose next or last")
+        if first + num_layers > cfg.num_hidden_layers:
+            raise ValueError(f"init {init!r} needs target layers {first}..{first + num_layers - 1}, the target has "
+                             f"{cfg.num_hidden_layers}")
         with torch.no_grad():
-            adapter.layer.load_state_dict(target.layers[src].state_dict())
+            for i, layer in enumerate(adapter.layers):
+                layer.load_state_dict(target.layers[first + i].state_dict())
             adapter.norm.weight.copy_(target.norm.weight)
         return adapter
+
+
+def _dense_layer(layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One decoder layer over dense right-padded sequences with causal SDPA (the training path)."""
+    attn = layer.self_attn
+    b, t, _ = h.shape
+    x = layer.input_layernorm(h)
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(b, t, attn.num_heads, attn.head_dim)
+    k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
+    v = v.view(b, t, attn.num_kv_heads, attn.head_dim)
+    q, k = apply_rotary(q, k, rope)
+    group = attn.num_heads // attn.num_kv_heads
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+    x2 = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, attn.q_size))
+    return x2 + layer.mlp(layer.post_attention_layernorm(x2))
 
 
 def target_fingerprint(model: LlamaForCausalLM) -> list[float]:
@@ -164,6 +187,7 @@ def save_adapter(adapter: ExitAdapter, folder: str | Path, target: LlamaForCausa
     config = {
         "type": ARTIFACT_TYPE,
         "layer": adapter.layer_index,
+        "num_layers": adapter.num_layers,
         "arch": arch_of(adapter.config),
         "target_fingerprint": target_fingerprint(target),
         **extra,
@@ -206,7 +230,9 @@ def load_adapter(
     check_compatible(cfg, target)
     tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
     ranked = tensors.pop("vocab_ranked", None)
-    adapter = ExitAdapter(target.config, int(cfg["layer"]))
+    # one-layer adapters written before adapters could have several layers named it "layer"
+    tensors = {("layers.0." + k[len("layer."):] if k.startswith("layer.") else k): v for k, v in tensors.items()}
+    adapter = ExitAdapter(target.config, int(cfg["layer"]), int(cfg.get("num_layers", 1)))
     p = next(target.parameters())
     adapter.to(device=p.device, dtype=p.dtype)
     params = dict(adapter.named_parameters())
@@ -220,15 +246,26 @@ def load_adapter(
     return adapter.eval(), cfg, ranked
 
 
-def shipped_adapter_path() -> Path | None:
-    """The default adapter shipped in the package (``leapdecode/artifacts/self_spec/``), if present."""
-    return ARTIFACT_DIR if (ARTIFACT_DIR / CONFIG_FILE).is_file() and (ARTIFACT_DIR / WEIGHTS_FILE).is_file() else None
+def shipped_adapter_path(folder: Path | None = None) -> Path | None:
+    """The default adapter shipped in the package (``leapdecode/artifacts/self_spec/``, or ``folder``, e.g. the
+    small draft in ``artifacts/draft/``), if present."""
+    folder = ARTIFACT_DIR if folder is None else folder
+    return folder if (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file() else None
 
 
-def shipped_adapter_for(target: LlamaForCausalLM) -> Path | None:
-    """The shipped adapter when it was trained for this very target (architecture and fingerprint), else None;
-    ``auto`` only offers self_spec then."""
-    path = shipped_adapter_path()
+def is_adapter_folder(path: str | Path) -> bool:
+    """Whether ``path`` holds a drafter written by ``leapdecode train self-spec`` / ``train draft``."""
+    try:
+        read_adapter_config(path)
+        return True
+    except (FileNotFoundError, ValueError, OSError):
+        return False
+
+
+def shipped_adapter_for(target: LlamaForCausalLM, folder: Path | None = None) -> Path | None:
+    """The shipped adapter (or the drafter in ``folder``) when it was trained for this very target (architecture
+    and fingerprint), else None; ``auto`` only offers it then."""
+    path = shipped_adapter_path(folder)
     if path is None:
         return None
     try:
@@ -253,7 +290,7 @@ class _Plan:
 
 class SelfSpecProposer(ShadowCacheProposer):
     """Drafts with target layers [0, L) (writing the target's own cache slots beyond the committed length), the
-    exit adapter (its own one-layer paged cache) and the target's LM head. See the module docstring."""
+    exit adapter (its own paged cache) and the target's LM head. See the module docstring."""
 
     name = "self_spec"
 
@@ -271,10 +308,10 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.device, self.dtype = p.device, p.dtype
         self.target_runner: ModelRunner = engine.runner
         self.target_kv: KVCache = engine.kv_cache
-        # the adapter's own one-layer paged cache; as many blocks as the target, which is enough for every
+        # the adapter's own paged cache (its layers only); as many blocks as the target, which is enough for every
         # running sequence (adapter positions never exceed the target's)
-        one_layer = dataclasses.replace(cfg, num_hidden_layers=1)
-        self.adapter_kv = KVCache(one_layer, num_blocks, bs, self.dtype, self.device)
+        adapter_cfg = dataclasses.replace(cfg, num_hidden_layers=adapter.num_layers)
+        self.adapter_kv = KVCache(adapter_cfg, num_blocks, bs, self.dtype, self.device)
         self.adapter_bm = self.shadow_bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         self.adapter_runner = ModelRunner(self.model, self.adapter_kv, bs, self.device)  # for prepare() only
         self.shadows: dict[str, _Shadow] = {}
@@ -283,8 +320,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.h_pool = torch.zeros(slots, cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.pos_tag = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.tok_tag = torch.full((slots,), -1, dtype=torch.long, device=self.device)
-        self.target_runner.capture_layer = self.num_shared_layers
-        self.target_runner.capture_fn = self._capture
+        self.target_runner.add_capture(self.num_shared_layers, self._capture)
         self.vocab_subset = None if vocab_subset is None else vocab_subset.to(self.device, torch.long)
         self._head_subset: torch.Tensor | None = None
         self._head_subset_packed: torch.Tensor | None = None
@@ -304,23 +340,26 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.num_captured_tokens = 0
 
     @classmethod
-    def from_config(cls, cfg, engine, shipped_only: bool = False) -> SelfSpecProposer:
+    def from_config(cls, cfg, engine, shipped_only: bool = False, kind: str = "self_spec") -> SelfSpecProposer:
         """``cfg.model`` is an adapter folder; without one (or with ``shipped_only``, as under ``auto``, where
-        "model" names a draft model), the shipped adapter. Extra keys: ``min_draft_prob`` (stop drafting below
-        this top probability) and ``draft_vocab`` (score only the N most frequent tokens of the artefact's
-        ranked vocabulary; 0 = the full LM head)."""
+        "model" names a draft model), the shipped one: the exit adapter, or with ``kind="draft_model"`` the small
+        draft (an adapter with no shared layers, ``leapdecode train draft``). Extra keys: ``min_draft_prob``
+        (stop drafting below this top probability) and ``draft_vocab`` (score only the N most frequent tokens of
+        the artefact's ranked vocabulary; 0 = the full LM head)."""
         user_path = None if shipped_only else cfg.model
-        path = user_path or shipped_adapter_path()
+        folder = ARTIFACT_DIR if kind == "self_spec" else DRAFT_DIR
+        path = user_path or shipped_adapter_path(folder)
+        command = "self-spec" if kind == "self_spec" else "draft"
         if path is None:
             raise ValueError(
-                'speculative method "self_spec" needs a trained exit adapter: pass "model": PATH (a folder written '
-                f"by `leapdecode train self-spec`); no shipped adapter was found in {ARTIFACT_DIR}"
+                f'speculative method "{kind}" needs a trained drafter: pass "model": PATH (a folder written by '
+                f"`leapdecode train {command}`); none is shipped in {folder}"
             )
         adapter, acfg, ranked = load_adapter(path, engine.model)
         if user_path is None and not _fingerprint_matches(acfg.get("target_fingerprint", []),
                                                           target_fingerprint(engine.model)):
-            raise ValueError(f"the shipped self_spec adapter ({path}) was trained for another model; pass \"model\": "
-                             "PATH to an adapter trained for this one (`leapdecode train self-spec`)")
+            raise ValueError(f"the shipped {kind} drafter ({path}) was trained for another model; pass \"model\": "
+                             f"PATH to one trained for this one (`leapdecode train {command}`)")
         extra = cfg.extra or {}
         min_p = extra.get("min_draft_prob", acfg.get("min_draft_prob", DEFAULT_MIN_DRAFT_PROB))
         if not (isinstance(min_p, (int, float)) and 0.0 <= float(min_p) <= 1.0):
@@ -346,9 +385,7 @@ class SelfSpecProposer(ShadowCacheProposer):
 
     def detach(self) -> None:
         """Stop capturing the target's hidden states (``auto`` dropped this drafter); frees the hidden pool."""
-        if self.target_runner.capture_fn == self._capture:
-            self.target_runner.capture_fn = None
-            self.target_runner.capture_layer = None
+        self.target_runner.remove_capture(self._capture)
         self.h_pool = self.h_pool.new_zeros(0, self.h_pool.shape[1])
 
     # ------------------------------------------------------------------------------------ target capture
@@ -399,7 +436,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         hidden states of the items' ``logit_rows``."""
         _, pos, meta, rows = self.adapter_runner.prepare(items)
         rope = self.model.rope.table(pos, h.dtype)
-        out = self.adapter(h, rope, self.adapter_kv.layers[0], meta)
+        out = self.adapter(h, rope, self.adapter_kv.layers, meta)
         self.num_adapter_tokens += int(h.shape[0])
         return out.index_select(0, rows)
 

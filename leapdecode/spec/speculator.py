@@ -40,8 +40,11 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if method == "draft_model":
         from leapdecode.spec.draft_model import DraftModelProposer
+        from leapdecode.spec.self_spec import SelfSpecProposer, is_adapter_folder
 
-        return DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)  # type: ignore[arg-type]
+        if cfg.model is None or is_adapter_folder(cfg.model):  # a trained small draft (`leapdecode train draft`)
+            return SelfSpecProposer.from_config(cfg, engine, kind="draft_model")
+        return DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
     if method == "medusa":
         from leapdecode.spec.medusa import MedusaProposer
 
@@ -66,11 +69,11 @@ def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
     """What ``auto`` chooses among: every lossless drafter usable without further arguments (self_spec when the
     shipped exit adapter was trained for the engine's target)."""
     methods = ["ngram"]
-    if cfg.model:
+    from leapdecode.spec.self_spec import DRAFT_DIR, shipped_adapter_for
+
+    if cfg.model or (engine is not None and shipped_adapter_for(engine.model, DRAFT_DIR) is not None):
         methods.append("draft_model")
     if engine is not None:
-        from leapdecode.spec.self_spec import shipped_adapter_for
-
         if shipped_adapter_for(engine.model) is not None:
             methods.append("self_spec")
         from leapdecode.spec.medusa import shipped_heads_for

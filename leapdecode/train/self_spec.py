@@ -372,20 +372,21 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
                 best_g, best_x = g, x
         out[name] = {"draft_step_ms": round(d1 * 1e3, 2), "draft_over_target": round(d1 / t1, 3),
                      "agreement": round(alpha, 4), "best_gamma": best_g, "est_speedup": round(best_x, 3)}
-    eng.runner.capture_fn = None
+    eng.runner.captures.clear()
     return out
 
 
 # -------------------------------------------------------------------------------------------------- command
 def _command_line(args: argparse.Namespace) -> str:
-    skip = ("func", "train_func", "command", "train_command")
+    draft = args.train_command == "draft"
+    skip = ("func", "train_func", "command", "train_command") + (("layer",) if draft else ())
     parts = []
     for k, v in vars(args).items():
         if k in skip or v is None or v is False:
             continue
-        flag = "--" + k.replace("_", "-")
+        flag = "--layers" if draft and k == "adapter_layers" else "--" + k.replace("_", "-")
         parts.append(flag if v is True else f"{flag} {v}")
-    return "leapdecode train self-spec " + " ".join(parts)
+    return f"leapdecode train {args.train_command} " + " ".join(parts)
 
 
 def _lr_at(step: int, total: int, args: argparse.Namespace) -> float:
@@ -405,14 +406,17 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data_file = data_file_of(args.data)
-    out = Path(args.out or f"runs/self_spec_L{args.layer}")
+    out = Path(args.out or (f"runs/self_spec_L{args.layer}" if args.layer else f"runs/draft_{args.adapter_layers}l"))
     out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
     model, cfg = load_model(model_path, DTYPES[args.dtype], args.device)
-    if not 1 <= args.layer < cfg.num_hidden_layers:
-        raise ValueError(f"--layer must be in [1, {cfg.num_hidden_layers - 1}] for this model, got {args.layer}")
+    if not 0 <= args.layer < cfg.num_hidden_layers:
+        raise ValueError(f"--layer must be in [0, {cfg.num_hidden_layers - 1}] for this model, got {args.layer}")
+    if not 1 <= args.adapter_layers <= cfg.num_hidden_layers - args.layer:
+        raise ValueError(f"--adapter-layers must be in [1, {cfg.num_hidden_layers - args.layer}], got "
+                         f"{args.adapter_layers}")
     records = load_records(data_file, args.max_seq_len, args.max_records)
     if len(records) < 2:
         raise ValueError(f"{data_file} has fewer than 2 usable records")
@@ -457,11 +461,12 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     head = Head(model, ranked, args.vocab_subset)
 
     # 3. adapter, optimiser, resume
-    adapter = ExitAdapter.from_target(model, args.layer, args.init)
+    adapter = ExitAdapter.from_target(model, args.layer, args.init, args.adapter_layers)
     for prm in adapter.parameters():
         prm.requires_grad_(True)
     opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    run_key = {**teacher_key, "layer": args.layer, "init": args.init, "vocab_subset": args.vocab_subset,
+    run_key = {**teacher_key, "layer": args.layer, "adapter_layers": args.adapter_layers, "init": args.init,
+               "vocab_subset": args.vocab_subset,
                "val_fraction": args.val_fraction, "seed": args.seed, "batch_tokens": args.batch_tokens,
                "hard_weight": args.hard_weight, "temperature": args.temperature}
     ckpt_path = out / "checkpoint.pt"
@@ -588,8 +593,9 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
     }
     (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote the adapter to {out} (best epoch {extra['best_epoch']}, top-1 agreement {final['agree']:.1%}); "
-          f'use speculative_config={{"method": "self_spec", "model": "{out}"}}')
+    method = "self_spec" if args.layer else "draft_model"
+    print(f"wrote the {'adapter' if args.layer else 'draft'} to {out} (best epoch {extra['best_epoch']}, top-1 "
+          f'agreement {final["agree"]:.1%}); use speculative_config={{"method": "{method}", "model": "{out}"}}')
     return 0
 
 
@@ -598,22 +604,43 @@ def add_cli(tsub) -> None:
         "self-spec",
         help="train the exit adapter for self-speculation (target layers [0, L) + adapter + shared LM head)",
         description="Caches the target's layer-L hidden states and top-k logits on the distillation data once, "
-        "then trains a one-layer exit adapter to match the target's next-token distribution. Prints held-out "
-        "top-1 agreement each epoch (epoch 0 = untrained early exit), checkpoints as it goes (rerun the same "
-        "command to resume) and writes adapter.safetensors + config.json + record.json to --out.",
+        "then trains an exit adapter (one decoder layer by default) to match the target's next-token "
+        "distribution. Prints held-out top-1 agreement each epoch (epoch 0 = untrained early exit), checkpoints as "
+        "it goes (rerun the same command to resume) and writes adapter.safetensors + config.json + record.json "
+        "to --out.",
     )
-    p.add_argument("--data", required=True, help="folder with samples.jsonl (leapdecode train distill-data), or it")
     p.add_argument("--layer", type=int, required=True, help="L: target layers shared by the drafter")
-    p.add_argument("--out", default=None, help="output folder (default runs/self_spec_L<L>)")
+    p.add_argument("--adapter-layers", type=int, default=1, help="decoder layers in the adapter")
+    p.add_argument("--init", default="last", choices=["next", "last"],
+                   help="start the adapter from the target's last layers (last; better in a probe on SmolLM2 at "
+                   "L=15) or from layers L.. (next), the layers that read h_L in the target")
+    _common_args(p)
+    d = tsub.add_parser(
+        "draft",
+        help="distil a small draft model (N decoder layers sharing the target's embedding and LM head)",
+        description="Trains a draft of --layers decoder layers (initialised from target layers) over the target's "
+        "own embedding, with the target's final norm and LM head, to match the target's next-token distribution "
+        "on the distillation data: self-spec with no shared layers, the same cache, loss, validation, checkpoints "
+        "and artefact. speculative_config={\"method\": \"draft_model\", \"model\": OUT} drafts with it; "
+        "leapdecode/artifacts/draft/ is the one used without a path.",
+    )
+    d.add_argument("--layers", dest="adapter_layers", type=int, default=3,
+                   help="decoder layers in the draft (3 of SmolLM2's 30 = 1/10 of its non-embedding parameters)")
+    d.add_argument("--init", default="next", choices=["next", "last"],
+                   help="start from the target's first layers (next) or its last layers (last)")
+    _common_args(d)
+    d.set_defaults(layer=0)
+
+
+def _common_args(p) -> None:
+    p.add_argument("--data", required=True, help="folder with samples.jsonl (leapdecode train distill-data), or it")
+    p.add_argument("--out", default=None, help="output folder (default runs/self_spec_L<L> or runs/draft_<N>l)")
     p.add_argument("--model", default=None, help="target model (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None,
-                   help="where cached h_L / teacher logits live (default OUT/cache); share it between runs for "
-                   "several L so the teacher pass runs once")
+                   help="where cached hidden states / teacher logits live (default OUT/cache); share it between "
+                   "runs (several L, drafts) so the teacher pass runs once")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--init", default="last", choices=["next", "last"],
-                   help="start the adapter from the target's last layer (last; better in a probe on SmolLM2 at "
-                   "L=15) or from layer L, the layer that reads h_L in the target (next)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
