@@ -21,9 +21,10 @@ step. The trunk length follows the dynamic-γ rule on the trunk's acceptance, si
 ``expected_tokens`` adds the measured rate at which a branch rescues a rejected trunk node.
 
 Config: ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the shipped Medusa heads;
-``"model": PATH`` makes a draft model the trunk (``"target"``: the target itself, e.g. with
-``draft_linear_kernel``), unless ``"trunk": "self_spec"`` says PATH is an exit adapter; ``"heads": PATH`` other
-heads, ``"branches": N`` candidates per depth beside the trunk (default 1).
+``"model": PATH`` makes a draft model the trunk (an HF/GGUF model, ``"target"``: the target itself, e.g. with
+``draft_linear_kernel``, or a ``leapdecode train draft`` folder), unless ``"trunk": "self_spec"`` says PATH is an
+exit adapter; ``"trunk": "draft_model"`` without a path takes the shipped draft; ``"heads": PATH`` other heads,
+``"branches": N`` candidates per depth beside the trunk (default 1).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HybridProposer(Proposer):
     @classmethod
     def from_config(cls, cfg, engine) -> HybridProposer:
         from leapdecode.spec.draft_model import DraftModelProposer
-        from leapdecode.spec.self_spec import SelfSpecProposer
+        from leapdecode.spec.self_spec import SelfSpecProposer, is_adapter_folder
         from leapdecode.spec.speculator import Speculator
 
         ex = dict(cfg.extra or {})
@@ -94,12 +95,13 @@ class HybridProposer(Proposer):
         trunk = ex.pop("trunk", "draft_model" if cfg.model else "self_spec")
         if trunk not in ("self_spec", "draft_model"):
             raise ValueError(f'trunk must be "self_spec" or "draft_model", got {trunk!r}')
-        if trunk == "draft_model" and not cfg.model:
-            raise ValueError('a draft_model trunk needs "model": PATH (or "target")')
         heads_cfg = dataclasses.replace(cfg, method="medusa", model=ex.pop("heads", None), extra=ex)
         heads = MedusaProposer.from_config(heads_cfg, engine)
         chain: Proposer
-        if trunk == "draft_model":
+        if trunk == "draft_model" and (cfg.model is None or is_adapter_folder(cfg.model)):  # a distilled draft
+            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method="draft_model", extra=ex), engine,
+                                                 kind="draft_model")
+        elif trunk == "draft_model":
             chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
             if cfg.use_cost_model:
                 chain.step_cost_fn = StepCostModel.calibrate(  # type: ignore[attr-defined]
