@@ -34,7 +34,13 @@ import dataclasses
 import torch
 
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.dynamic_gamma import DynamicGamma, GammaState, StepCostModel, expected_tokens
+from leapdecode.spec.dynamic_gamma import (
+    PRIOR_ACCEPTANCE,
+    DynamicGamma,
+    GammaState,
+    StepCostModel,
+    expected_tokens,
+)
 from leapdecode.spec.medusa import MedusaProposer
 from leapdecode.spec.proposer import Proposal, Proposer
 
@@ -117,7 +123,13 @@ class HybridProposer(Proposer):
         if st is None:
             assert self.gamma is not None
             st = seq.spec_state["hybrid_gamma"] = self.gamma.new_state()
+            st.acceptance_ema = self._prior()
         return st
+
+    def _prior(self) -> float:
+        """The trunk drafter's measured acceptance where it has one (speculator.Speculator.prior)."""
+        p = self.chain.prior_acceptance
+        return PRIOR_ACCEPTANCE if p is None else p
 
     def expected_tokens(self, alpha: float, trunk: int) -> float:
         """Chain tokens per step, plus a rescued node where the trunk is first rejected at a depth with branches."""
@@ -142,7 +154,7 @@ class HybridProposer(Proposer):
                     best, best_rate = g, rate
             trunk = best
         if trunk == 0:
-            st.acceptance_ema += 0.05 * (0.7 - st.acceptance_ema)  # drift back so the sequence retries later
+            st.acceptance_ema += 0.05 * (self._prior() - st.acceptance_ema)  # drift back: retry later
             return 0, 1.0
         seq.spec_state["hybrid_trunk"] = trunk
         self._last_trunk = trunk

@@ -375,7 +375,9 @@ class SelfSpecProposer(ShadowCacheProposer):
         # drafting stops below min_draft_prob, so a drafted token's acceptance is the agreement where the draft is
         # that confident (valid when the threshold is the one the artefact was validated at)
         key = "agree_confident" if float(min_p) == float(acfg.get("min_draft_prob", -1)) and min_p > 0 else "agree"
-        if isinstance(val.get(key), (int, float)) and subset is None:  # (a vocabulary subset agrees less)
+        if subset is not None:  # validated only for the training loss's subset (it can agree more: no rare tokens)
+            key = "agree_subset_head" if draft_vocab == acfg.get("loss_vocab") else ""
+        if isinstance(val.get(key), (int, float)):
             prop.prior_acceptance = float(val[key])
         if cfg.use_cost_model or cfg.method == "auto":
             from leapdecode.spec.dynamic_gamma import StepCostModel
