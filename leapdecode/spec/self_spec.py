@@ -355,11 +355,10 @@ class SelfSpecProposer(ShadowCacheProposer):
                 f'speculative method "{kind}" needs a trained drafter: pass "model": PATH (a folder written by '
                 f"`leapdecode train {command}`); none is shipped in {folder}"
             )
+        if user_path is None and shipped_adapter_for(engine.model, folder) is None:
+            raise ValueError(f'speculative method "{kind}" needs "model": PATH for this model: the shipped drafter '
+                             f"({path}) was trained for another one (`leapdecode train {command}` makes one)")
         adapter, acfg, ranked = load_adapter(path, engine.model)
-        if user_path is None and not _fingerprint_matches(acfg.get("target_fingerprint", []),
-                                                          target_fingerprint(engine.model)):
-            raise ValueError(f"the shipped {kind} drafter ({path}) was trained for another model; pass \"model\": "
-                             f"PATH to one trained for this one (`leapdecode train {command}`)")
         extra = cfg.extra or {}
         min_p = extra.get("min_draft_prob", acfg.get("min_draft_prob", DEFAULT_MIN_DRAFT_PROB))
         if not (isinstance(min_p, (int, float)) and 0.0 <= float(min_p) <= 1.0):
