@@ -103,11 +103,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, kv, meta) -> torch.Tensor:
         if self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32:
-            if isinstance(kv[0], torch.Tensor) and kv[0].dtype == torch.float32 and meta.all_kernel_rows():
-                return self._fused(x, rope, kv, meta)
-            if (isinstance(kv[0], QuantizedKV) and kv[0].observed is None and small_gemm.int8_kv_kernels(kv[0])
-                    and meta.all_kernel_rows()):  # int8 cache, not calibrating: the same layer over int8 planes
-                return self._fused(x, rope, kv, meta)
+            planes = fused_kv(kv)
+            if planes is not None and meta.all_kernel_rows():
+                return self._fused(x, rope, planes, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -121,20 +119,36 @@ class DecoderLayer(nn.Module):
             self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
         return self._fused_args
 
-    def _fused(self, x, rope, kv, meta) -> torch.Tensor:
+    def _fused(self, x, rope, planes: tuple[list[torch.Tensor], list[torch.Tensor]], meta) -> torch.Tensor:
         """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
-        same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls."""
+        same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls. ``planes``
+        is :func:`fused_kv` of the layer's cache."""
         w, bias, heads, kv_heads, eps, scale = self.fused_args()
+        caches, transforms = planes
         t = x.shape[0]
-        if isinstance(kv[0], QuantizedKV):
-            k, v = kv
-            empty = x.new_empty(0)
-            transform = [empty if a is None else a.contiguous() for a in (k.shift, k.smooth, k.rotation, v.rotation)]
+        if transforms:  # int8 planes
             return small_gemm.decoder_layer_i8(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1),
-                                               [k.data, k.scale, v.data, v.scale], transform, meta.slot_mapping,
-                                               *meta.kernel_rows(), heads, kv_heads, eps, scale)  # fmt: skip
-        return small_gemm.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), kv[0], kv[1],
+                                               caches, transforms, meta.slot_mapping, *meta.kernel_rows(), heads,
+                                               kv_heads, eps, scale)  # fmt: skip
+        return small_gemm.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), *caches,
                                         meta.slot_mapping, *meta.kernel_rows(), heads, kv_heads, eps, scale)
+
+
+def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """One layer's KV cache as the C++ layer takes it, or None when that layer must run op by op: a float32 cache
+    is ``([K, V], [])``; an int8 cache the C++ ops serve, once it no longer observes keys for calibration, is its
+    four planes ``[k data, k scales, v data, v scales]`` and four transforms ``[k shift, k smooth, k rotation,
+    v rotation]`` (empty = identity). Shared by the per-layer call and the whole-stack call, so both take the fused
+    path for exactly the same caches."""
+    k, v = kv
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        return ([k, v], []) if k.dtype == v.dtype == torch.float32 else None
+    if not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.observed is None
+            and small_gemm.int8_kv_kernels(k)):
+        return None
+    empty = k.scale.new_empty(0, dtype=torch.float32)
+    transforms = [empty if a is None else a.contiguous() for a in (k.shift, k.smooth, k.rotation, v.rotation)]
+    return [k.data, k.scale, v.data, v.scale], transforms
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,9 +201,9 @@ class LlamaForCausalLM(nn.Module):
                      run: range) -> small_gemm.LayerStack | None:
         """The arguments for running layers ``run`` in one C++ call (``small_gemm.decoder_stack``), or None when
         some layer of this step would not take the fused path (see ``DecoderLayer.forward``): a prefill chunk or
-        split-KV rows, a layer without packed weights, a cache that is not a float32 tensor or an int8 plane set
-        the C++ ops serve, or an int8 cache still observing keys for calibration. Weights are gathered once per
-        run of layers; the caches are listed each step (cheap), so no cache outlives its engine through here."""
+        split-KV rows, a layer without packed weights or with hooks, or a cache :func:`fused_kv` turns down.
+        Weights are gathered once per run of layers; the caches are listed each step (cheap), so no cache outlives
+        its engine through here."""
         if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32
                 and meta.all_kernel_rows()):
             return None
@@ -202,22 +216,11 @@ class LlamaForCausalLM(nn.Module):
         if weights is None:  # gathered once every layer has its packed weights (small_gemm.enable)
             weights = small_gemm.stack_weights([layer.fused_args() for layer in layers])
             self._stack_weights[key] = layers, weights
-        planes = [kv_caches[i] for i in run]
-        k0 = planes[0][0]
-        if isinstance(k0, torch.Tensor):
-            caches = [t for kv in planes for t in kv]
-            if not all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in caches):
-                return None
-            return small_gemm.LayerStack(weights, caches, [])
-        if not (isinstance(k0, QuantizedKV) and small_gemm.int8_kv_kernels(k0)):
-            return None
-        if not all(isinstance(k, QuantizedKV) and k.observed is None and isinstance(v, QuantizedKV) for k, v in planes):
-            return None
-        empty = x.new_empty(0)
-        caches = [t for k, v in planes for t in (k.data, k.scale, v.data, v.scale)]
-        transforms = [empty if a is None else a.contiguous()
-                      for k, v in planes for a in (k.shift, k.smooth, k.rotation, v.rotation)]  # fmt: skip
-        return small_gemm.LayerStack(weights, caches, transforms)
+        planes = [fused_kv(kv_caches[i]) for i in run]
+        if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
+            return None  # a layer that must run op by op, or float32 and int8 layers mixed
+        return small_gemm.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
+                                     [t for p in planes for t in p[1]])  # type: ignore[index]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
