@@ -143,31 +143,26 @@ def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int
 
 def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     tps = [len(o.outputs[0].token_ids) / w for o, w in zip(outs, wall)]
-    ttft = [o.metrics.ttft_s * 1e3 for o in outs]
-    tpot = [
-        (w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
-        for o, w in zip(outs, wall)
-        if len(o.outputs[0].token_ids) > 1
-    ]
-    steps = sum(o.metrics.num_target_steps for o in outs)
-    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Row("leapdecode", label, 1, len(outs), ntok, _median(tps), _median(ttft), _median(tpot),
-               ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
-               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
+    tpot = [(w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
+            for o, w in zip(outs, wall) if len(o.outputs[0].token_ids) > 1]
+    return _row(label, 1, outs, _median(tps), _median(tpot))
 
 
 def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
     t0 = time.perf_counter()
-    bouts = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
     w = time.perf_counter() - t0
-    btok = sum(len(o.outputs[0].token_ids) for o in bouts)
-    bsteps = sum(o.metrics.num_target_steps for o in bouts)
-    return Row("leapdecode", label, len(prompts_ids), len(bouts), btok, btok / w,
-               _median([o.metrics.ttft_s * 1e3 for o in bouts]),
-               _median([(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1)
-                        for o in bouts]),
-               btok / bsteps if bsteps else 1.0, token_ids=[o.outputs[0].token_ids for o in bouts],
-               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in bouts))
+    tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1) for o in outs]
+    return _row(label, len(prompts_ids), outs, sum(len(o.outputs[0].token_ids) for o in outs) / w, _median(tpot))
+
+
+def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -> Row:
+    """What batch-1 and batched rows share: token counts, median TTFT, tokens per target step, the tokens."""
+    steps = sum(o.metrics.num_target_steps for o in outs)
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, _median([o.metrics.ttft_s * 1e3 for o in outs]),
+               tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
+               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
 
 
 def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
