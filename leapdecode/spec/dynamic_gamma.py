@@ -106,15 +106,17 @@ class StepCostModel:
         return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
 
     def best_gamma(self, alpha: float, max_gamma: int, batch_tokens: int, batch_size: int,
-                   draft_cost=lambda g: 0.0) -> int:
+                   draft_cost=lambda g: 0.0, rows=lambda g: g, expected=expected_tokens) -> int:
         """The γ in [0, max_gamma] that maximises this step's tokens per second, for one sequence in a step
         that otherwise holds ``batch_tokens`` tokens of ``batch_size`` sequences; 0 means plain decoding.
-        At batch 1 this is the classic test E(α, γ) · t(1) > t(1 + γ) + draft time."""
+        At batch 1 this is the classic test E(α, γ) · t(1) > t(1 + γ) + draft time. A drafter that verifies more
+        than its γ chain tokens (a hybrid tree) passes ``rows(γ)``, the rows it adds to the step, and its own
+        ``expected(α, γ)`` tokens per step."""
         base = self(batch_tokens)
         best, best_rate = 0, batch_size / base if base > 0 else 0.0
         for g in range(1, max_gamma + 1):
-            t = self(batch_tokens + g) + draft_cost(g)
-            rate = (batch_size - 1 + expected_tokens(alpha, g)) / t if t > 0 else float("inf")
+            t = self(batch_tokens + rows(g)) + draft_cost(g)
+            rate = (batch_size - 1 + expected(alpha, g)) / t if t > 0 else float("inf")
             if rate > best_rate * 1.02:  # demand a small margin: calibration is noisy
                 best, best_rate = g, rate
         return best

@@ -34,13 +34,7 @@ import dataclasses
 import torch
 
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.dynamic_gamma import (
-    PRIOR_ACCEPTANCE,
-    DynamicGamma,
-    GammaState,
-    StepCostModel,
-    expected_tokens,
-)
+from leapdecode.spec.dynamic_gamma import DynamicGamma, GammaState, expected_tokens
 from leapdecode.spec.medusa import MedusaProposer
 from leapdecode.spec.proposer import Proposal, Proposer
 
@@ -92,7 +86,6 @@ class HybridProposer(Proposer):
     def from_config(cls, cfg, engine) -> HybridProposer:
         from leapdecode.spec.draft_model import DraftModelProposer
         from leapdecode.spec.self_spec import SelfSpecProposer, is_adapter_folder
-        from leapdecode.spec.speculator import Speculator
 
         ex = dict(cfg.extra or {})
         branches = ex.pop("branches", DEFAULT_BRANCHES)
@@ -109,9 +102,6 @@ class HybridProposer(Proposer):
                                                  kind="draft_model")
         elif trunk == "draft_model":
             chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
-            if cfg.use_cost_model:
-                chain.step_cost_fn = StepCostModel.calibrate(  # type: ignore[attr-defined]
-                    lambda n: Speculator._timed_step(chain.runner, chain.bm, n), sizes=(1, 2, 4, 8), repeats=3)
         else:
             chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method="self_spec", extra=ex), engine)
         chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)
@@ -123,13 +113,8 @@ class HybridProposer(Proposer):
         if st is None:
             assert self.gamma is not None
             st = seq.spec_state["hybrid_gamma"] = self.gamma.new_state()
-            st.acceptance_ema = self._prior()
+            st.acceptance_ema = self.chain.acceptance_prior()
         return st
-
-    def _prior(self) -> float:
-        """The trunk drafter's measured acceptance where it has one (speculator.Speculator.prior)."""
-        p = self.chain.prior_acceptance
-        return PRIOR_ACCEPTANCE if p is None else p
 
     def expected_tokens(self, alpha: float, trunk: int) -> float:
         """Chain tokens per step, plus a rescued node where the trunk is first rejected at a depth with branches."""
@@ -144,21 +129,19 @@ class HybridProposer(Proposer):
     def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
         st = self._state(seq)
         trunk = max(1, min(st.gamma, room))
-        if cost is not None:
-            best, best_rate = 0, batch / max(cost(batch), 1e-9)
-            for g in range(1, trunk + 1):
-                k = min(self.nodes_for(g), room)
-                t = cost(batch + k) + self.chain.step_cost(batch, g) + self.heads.step_cost(batch, 1)
-                rate = (batch - 1 + self.expected_tokens(st.acceptance_ema, g)) / t
-                if rate > best_rate * 1.02:
-                    best, best_rate = g, rate
-            trunk = best
+        if cost is not None:  # the trunk length whose whole tree pays best (0: plain decoding)
+            trunk = cost.best_gamma(st.acceptance_ema, trunk, batch, batch,
+                                    lambda g: self.chain.step_cost(batch, g) + self.heads.step_cost(batch, 1),
+                                    rows=lambda g: min(self.nodes_for(g), room), expected=self.expected_tokens)
         if trunk == 0:
-            st.acceptance_ema += 0.05 * (self._prior() - st.acceptance_ema)  # drift back: retry later
+            st.acceptance_ema += 0.05 * (self.chain.acceptance_prior() - st.acceptance_ema)  # retry later
             return 0, 1.0
         seq.spec_state["hybrid_trunk"] = trunk
         self._last_trunk = trunk
         return min(self.nodes_for(trunk), room), self.expected_tokens(st.acceptance_ema, trunk)
+
+    def calibrate_cost(self) -> None:
+        self.chain.calibrate_cost()  # the heads time themselves on first use
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:
         if num_tokens <= 0:

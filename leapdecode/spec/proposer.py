@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from leapdecode.engine.sequence import Sequence
+from leapdecode.spec.dynamic_gamma import PRIOR_ACCEPTANCE
 
 
 @dataclass
@@ -44,6 +45,11 @@ class Proposer(ABC):
     #: a drafter whose measured acceptance cannot pay for its step cost on this machine
     prior_acceptance: float | None = None
 
+    def acceptance_prior(self) -> float:
+        """Where a sequence's acceptance estimate for this drafter starts, and drifts back to while not drafting:
+        its measured ``prior_acceptance``, else the optimistic default."""
+        return PRIOR_ACCEPTANCE if self.prior_acceptance is None else self.prior_acceptance
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]: ...
 
@@ -52,6 +58,10 @@ class Proposer(ABC):
 
     def release(self, seq: Sequence) -> None:  # noqa: B027
         """Default: nothing to free."""
+
+    def calibrate_cost(self) -> None:  # noqa: B027
+        """Time this drafter's own steps for ``step_cost`` (called by the speculator when it uses the cost model).
+        Default: nothing to time (lookup methods; heads measure themselves on first use)."""
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:
         """Seconds the drafter spends to propose ``num_tokens`` per sequence (0 for lookup methods)."""

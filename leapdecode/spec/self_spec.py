@@ -378,10 +378,6 @@ class SelfSpecProposer(ShadowCacheProposer):
             key = "agree_subset_head" if draft_vocab == acfg.get("loss_vocab") else ""
         if isinstance(val.get(key), (int, float)):
             prop.prior_acceptance = float(val[key])
-        if cfg.use_cost_model or cfg.method == "auto":
-            from leapdecode.spec.dynamic_gamma import StepCostModel
-
-            prop.step_cost_fn = StepCostModel.calibrate(prop._timed_draft_step, sizes=(1, 2, 4, 8), repeats=3)
         return prop
 
     def detach(self) -> None:
@@ -561,6 +557,12 @@ class SelfSpecProposer(ShadowCacheProposer):
                 torch.softmax(self._logits(out), dim=-1).max(dim=-1)
         finally:
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
+
+    def calibrate_cost(self) -> None:
+        """Time draft steps of 1, 2, 4, 8 rows (``_timed_draft_step``), 3 times each."""
+        from leapdecode.spec.dynamic_gamma import StepCostModel
+
+        self.step_cost_fn = StepCostModel.calibrate(self._timed_draft_step, sizes=(1, 2, 4, 8), repeats=3)
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:
         if self.step_cost_fn is None:

@@ -11,7 +11,6 @@ from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs
 from leapdecode.spec.dynamic_gamma import (
-    PRIOR_ACCEPTANCE,
     DynamicGamma,
     GammaState,
     StepCostModel,
@@ -112,12 +111,7 @@ class Speculator:
         if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
             self.cost = StepCostModel.calibrate(self._timed_target_step)
             for prop in self.proposers.values():
-                draft_runner = getattr(prop, "runner", None)
-                if draft_runner is not None:
-                    prop.step_cost_fn = StepCostModel.calibrate(  # type: ignore[attr-defined]
-                        lambda n, r=draft_runner, b=prop.bm: self._timed_step(r, b, n),  # type: ignore[attr-defined]
-                        sizes=(1, 2, 4, 8), repeats=3,
-                    )
+                prop.calibrate_cost()  # drafters that run a model time their own steps
         if cfg.method == "auto" and self.cost is not None:
             self._drop_unprofitable()
 
@@ -158,13 +152,8 @@ class Speculator:
         st = seq.spec_state.get(key)
         if st is None:
             st = seq.spec_state[key] = self.gamma.new_state()
-            st.acceptance_ema = self.prior(method)
+            st.acceptance_ema = self.proposers[method].acceptance_prior()
         return st
-
-    def prior(self, method: str) -> float:
-        """Where a sequence's acceptance estimate for ``method`` starts, and drifts back to while not drafting."""
-        p = self.proposers[method].prior_acceptance
-        return PRIOR_ACCEPTANCE if p is None else p
 
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
@@ -201,7 +190,7 @@ class Speculator:
                 if k == 0:
                     # drift back toward the prior while not drafting, so a sequence whose text turns
                     # repetitive (or copies from its input) gets to try again
-                    st.acceptance_ema += 0.05 * (self.prior(name) - st.acceptance_ema)
+                    st.acceptance_ema += 0.05 * (prop.acceptance_prior() - st.acceptance_ema)
                     continue
                 t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
                 rate = (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
