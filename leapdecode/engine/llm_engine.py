@@ -233,11 +233,10 @@ class LLMEngine:
             if seq.finish_reason:
                 break
         if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):  # a stop string cut the text
-            out_ids = seq.token_ids[seq.num_prompt_tokens :]
             if seq.finish_reason:
-                seq.output_text = seq.detokenizer.finish(out_ids)
+                seq.output_text = seq.detokenizer.finish(seq.output_token_ids)
             else:
-                seq.detokenizer.append(out_ids)
+                seq.detokenizer.append(seq.output_token_ids)
                 seq.output_text = seq.detokenizer.text
         # the cache holds num_computed_tokens positions; give back slots reserved for rejected drafts
         self.block_manager.trim(seq, seq.num_computed_tokens)
@@ -251,7 +250,7 @@ class LLMEngine:
         before this token held none), so the search starts ``len(stop) - 1`` characters before the new text."""
         assert seq.detokenizer is not None
         before = len(seq.detokenizer.text)
-        if not seq.detokenizer.append(seq.token_ids[seq.num_prompt_tokens :]):
+        if not seq.detokenizer.append(seq.output_token_ids):
             return False
         text = seq.detokenizer.text
         hits = [(i, s) for s in seq.params.stop_list if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
