@@ -51,6 +51,9 @@ class ModelRunner:
         # the shared layers. ``captures`` maps L -> fns called as ``fn(hidden, input_ids, positions,
         # slot_mapping)``; several drafters (auto: self_spec at L=15 and the small draft at L=0) may listen.
         self.captures: dict[int, list[CaptureFn]] = {}
+        # what each capture keeps is filed by KV slot, so it must follow K/V that the engine copies between slots
+        # (a tree's accepted nodes compacted into sequential slots): capture fn -> fn(src_slots, dst_slots)
+        self.capture_copies: dict[CaptureFn, Callable[[torch.Tensor, torch.Tensor], None]] = {}
 
     def prepare(self, items: list[ForwardItem]):
         ids: list[int] = []
@@ -78,10 +81,20 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query)
         return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
-    def add_capture(self, layer: int, fn: CaptureFn) -> None:
+    def add_capture(self, layer: int, fn: CaptureFn,
+                    on_copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.captures.setdefault(layer, []).append(fn)
+        if on_copy is not None:
+            self.capture_copies[fn] = on_copy
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V from slots ``src`` to ``dst`` (every layer and tier) and tell the captures to do the same."""
+        self.kv_cache.copy_slots(src, dst)
+        for on_copy in self.capture_copies.values():
+            on_copy(src, dst)
 
     def remove_capture(self, fn: CaptureFn) -> None:
+        self.capture_copies.pop(fn, None)
         for layer in list(self.captures):
             self.captures[layer] = [f for f in self.captures[layer] if f != fn]
             if not self.captures[layer]:

@@ -25,8 +25,9 @@ Counters (``num_shared_tokens`` = rows the drafter put through layers [0, L), ``
 ``num_catchup_tokens``, ``num_fallback_tokens``) make "never recomputes the shared layers for accepted tokens"
 testable: per drafted chain of k tokens the drafter runs exactly k rows through the shared layers.
 
-The fallback: when a stored ``h_L`` does not carry the expected (position, token) tag (a tree method in ``auto``
-moved accepted K/V between slots, which ``h_pool`` does not follow), the drafter recomputes the shared layers for
+When a tree's accepted nodes are compacted into sequential slots, ``h_pool`` follows the K/V
+(``ModelRunner.copy_slots`` calls ``_copy_slots``). The fallback: when a stored ``h_L`` still does not carry the
+expected (position, token) tag (another pass overwrote the slot), the drafter recomputes the shared layers for
 those committed positions, reading the target's committed K/V but writing its own K/V to a scratch slot beyond
 the committed length, so the target's cache for committed tokens is never touched.
 
@@ -77,18 +78,34 @@ class ExitAdapter(nn.Module):
     """``num_layers`` decoder layers (the target's architecture) and an RMSNorm: ``h_L -> norm(layers(h_L))``, fed
     to the target's LM head. ``layer_index`` is L, the number of target layers the drafter shares. L = 0 makes it a
     small draft model of its own that shares only the target's embedding and LM head (``draft_model`` without a
-    path; brief: a draft with <= 1/10 of the target's non-embedding parameters is 3 of SmolLM2's 30 layers)."""
+    path; brief: a draft with <= 1/10 of the target's non-embedding parameters is 3 of SmolLM2's 30 layers).
 
-    def __init__(self, cfg: ModelConfig, layer_index: int, num_layers: int = 1) -> None:
+    ``feature_input`` (L = 0 only) makes it a *feature-conditioned* draft (EAGLE-style): its input at position p
+    is ``fc([f_{p-1}, embed(x_p)])``, where ``f_{p-1}`` is the target's final normed hidden state one position
+    back (what the target's LM head read to pick x_p) for committed tokens and the draft's own output while it
+    drafts. Knowing both the target's last feature and the token actually chosen from it is what lets one layer
+    predict the target's next feature far better than a draft that sees tokens only (FeatureDraftProposer)."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, num_layers: int = 1, feature_input: bool = False) -> None:
         super().__init__()
         if not 0 <= layer_index < cfg.num_hidden_layers:
             raise ValueError(f"the exit layer L must be in [0, {cfg.num_hidden_layers - 1}], got {layer_index}")
         if not 1 <= num_layers <= cfg.num_hidden_layers:
             raise ValueError(f"an adapter has 1 to {cfg.num_hidden_layers} layers, got {num_layers}")
+        if feature_input and layer_index:
+            raise ValueError("a feature-conditioned draft shares no target layers (L = 0)")
         self.config = cfg
         self.layer_index = layer_index
+        self.feature_input = feature_input
+        # [f_{p-1}, embed(x_p)] -> H; replicated under tensor parallelism (0.66M parameters on SmolLM2)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False) if feature_input else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fuse(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """A feature draft's input rows: ``features`` are f_{p-1} (zeros at position 0), ``embeds`` embed(x_p)."""
+        assert self.fc is not None, "only feature-conditioned drafts fuse features"
+        return self.fc(torch.cat([features.to(embeds.dtype), embeds], dim=-1))
 
     @property
     def num_layers(self) -> int:
@@ -117,12 +134,13 @@ class ExitAdapter(nn.Module):
 
     @classmethod
     def from_target(cls, target: LlamaForCausalLM, layer_index: int, init: str = "next",
-                    num_layers: int = 1) -> ExitAdapter:
+                    num_layers: int = 1, feature_input: bool = False) -> ExitAdapter:
         """Start from target layers so training begins near a working exit: ``next`` copies layers L .. L+N-1
         (the layers that read h_L in the target), ``last`` the target's last N layers (which feed the final norm
-        and head); the norm always starts as the target's final norm."""
+        and head); the norm always starts as the target's final norm. A feature draft's ``fc`` starts as
+        "the embedding only" ([0 | I]), i.e. as the plain draft with the same layers."""
         cfg = target.config
-        adapter = cls(cfg, layer_index, num_layers)
+        adapter = cls(cfg, layer_index, num_layers, feature_input)
         p = next(target.parameters())
         adapter.to(device=p.device, dtype=p.dtype)
         first = {"next": layer_index, "last": cfg.num_hidden_layers - num_layers}.get(init)
@@ -135,6 +153,10 @@ class ExitAdapter(nn.Module):
             for i, layer in enumerate(adapter.layers):
                 layer.load_state_dict(target.layers[first + i].state_dict())
             adapter.norm.weight.copy_(target.norm.weight)
+            if adapter.fc is not None:
+                h = cfg.hidden_size
+                adapter.fc.weight.zero_()
+                adapter.fc.weight[:, h:].copy_(torch.eye(h))
         return adapter
 
 
@@ -188,6 +210,7 @@ def save_adapter(adapter: ExitAdapter, folder: str | Path, target: LlamaForCausa
         "type": ARTIFACT_TYPE,
         "layer": adapter.layer_index,
         "num_layers": adapter.num_layers,
+        "input": "features" if adapter.feature_input else "hidden",
         "arch": arch_of(adapter.config),
         "target_fingerprint": target_fingerprint(target),
         **extra,
@@ -232,7 +255,8 @@ def load_adapter(
     ranked = tensors.pop("vocab_ranked", None)
     # one-layer adapters written before adapters could have several layers named it "layer"
     tensors = {("layers.0." + k[len("layer."):] if k.startswith("layer.") else k): v for k, v in tensors.items()}
-    adapter = ExitAdapter(target.config, int(cfg["layer"]), int(cfg.get("num_layers", 1)))
+    adapter = ExitAdapter(target.config, int(cfg["layer"]), int(cfg.get("num_layers", 1)),
+                          feature_input=cfg.get("input") == "features")
     p = next(target.parameters())
     adapter.to(device=p.device, dtype=p.dtype)
     params = dict(adapter.named_parameters())
@@ -320,7 +344,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.h_pool = torch.zeros(slots, cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.pos_tag = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.tok_tag = torch.full((slots,), -1, dtype=torch.long, device=self.device)
-        self.target_runner.add_capture(self.num_shared_layers, self._capture)
+        self.target_runner.add_capture(self.capture_layer(), self._capture, self._copy_slots)
         self.vocab_subset = None if vocab_subset is None else vocab_subset.to(self.device, torch.long)
         self._head_subset: torch.Tensor | None = None
         self._head_subset_packed: torch.Tensor | None = None
@@ -338,6 +362,10 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.num_catchup_tokens = 0
         self.num_fallback_tokens = 0
         self.num_captured_tokens = 0
+
+    def capture_layer(self) -> int:
+        """After which target layer the runner hands this drafter its hidden states (h_L)."""
+        return self.num_shared_layers
 
     @classmethod
     def from_config(cls, cfg, engine, shipped_only: bool = False, kind: str = "self_spec") -> SelfSpecProposer:
@@ -369,6 +397,10 @@ class SelfSpecProposer(ShadowCacheProposer):
             if ranked is None:
                 raise ValueError(f"draft_vocab={draft_vocab} needs a ranked vocabulary, and {path} has none")
             subset = ranked[:draft_vocab]
+        if adapter.feature_input:  # an EAGLE-style draft: it reads the target's features (spec/feature_draft.py)
+            from leapdecode.spec.feature_draft import FeatureDraftProposer
+
+            cls = FeatureDraftProposer
         prop = cls(engine, adapter, float(min_p), subset)
         val = acfg.get("validation") or {}
         # drafting stops below min_draft_prob, so a drafted token's acceptance is the agreement where the draft is
@@ -393,6 +425,12 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.pos_tag.index_copy_(0, slot_mapping, positions)
         self.tok_tag.index_copy_(0, slot_mapping, input_ids)
         self.num_captured_tokens += int(h.shape[0])
+
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The engine moved K/V (tree compaction): the hidden states and tags filed at those slots move along."""
+        if self.h_pool.shape[0]:
+            for t in (self.h_pool, self.pos_tag, self.tok_tag):
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.engine.config.block_size

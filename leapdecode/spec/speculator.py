@@ -299,11 +299,11 @@ class Speculator:
         moves = compaction_moves(path)
         if moves:
             base = seq.num_computed_tokens  # position of the first node's slot (right after the root)
-            bm, kv = self.engine.block_manager, self.engine.kv_cache
-            dev = kv.pool.device
+            bm = self.engine.block_manager
+            dev = self.engine.kv_cache.pool.device
             src = torch.tensor([bm.slot(seq, base + a) for a, _ in moves], dtype=torch.long, device=dev)
             dst = torch.tensor([bm.slot(seq, base + b) for _, b in moves], dtype=torch.long, device=dev)
-            kv.copy_slots(src, dst)  # every tier, and int8 scales
+            self.engine.runner.copy_slots(src, dst)  # every tier, int8 scales, and captured hidden states
         accepted = len(path)
         m = seq.metrics
         m.num_draft_tokens += n

@@ -230,22 +230,61 @@ def plan_batches(split: Split, batch_tokens: int, seed: int | None) -> list[list
     return batches
 
 
-def gather_batch(split: Split, idx: list[int], cache: dict[str, Any], device: torch.device, dtype: torch.dtype):
-    """Padded h_L [B, T, H], the answer-row mask [B, T] and the teacher rows in the same (row-major) order."""
+@dataclass
+class Batch:
+    """Right-padded records: cached hidden states ``x`` [B, T, H], token ids [B, T], the real-token mask and the
+    answer-row mask [B, T], and the teacher's top-k rows for the answer rows in row-major order."""
+
+    x: torch.Tensor
+    tokens: torch.Tensor
+    real: torch.Tensor
+    mask: torch.Tensor
+    t_val: torch.Tensor
+    t_idx: torch.Tensor
+
+
+def gather_batch(split: Split, idx: list[int], cache: dict[str, Any], device: torch.device,
+                 dtype: torch.dtype) -> Batch:
     recs = [split.records[k] for k in idx]
     t = max(len(r.tokens) for r in recs)
     hid = cache["hidden"]
     x = hid.new_zeros(len(recs), t, hid.shape[1])
+    tokens = torch.zeros(len(recs), t, dtype=torch.long)
+    real = torch.zeros(len(recs), t, dtype=torch.bool)
     mask = torch.zeros(len(recs), t, dtype=torch.bool)
     vals, ids = [], []
     for b, (k, r) in enumerate(zip(idx, recs)):
         n = len(r.tokens)
         x[b, :n] = hid[split.h_off[k] : split.h_off[k] + n]
+        tokens[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
+        real[b, :n] = True
         mask[b, r.prompt_len - 1 : n] = True
         vals.append(cache["t_val"][split.a_off[k] : split.a_off[k] + r.num_answer])
         ids.append(cache["t_idx"][split.a_off[k] : split.a_off[k] + r.num_answer])
-    return (x.to(device, dtype), mask.to(device), torch.cat(vals).to(device, torch.float32),
-            torch.cat(ids).to(device, torch.long))
+    return Batch(x.to(device, dtype), tokens.to(device), real.to(device), mask.to(device),
+                 torch.cat(vals).to(device, torch.float32), torch.cat(ids).to(device, torch.long))
+
+
+def dense_passes(adapter: ExitAdapter, model: LlamaForCausalLM, batch: Batch,
+                 chain_steps: int = 1) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The adapter's outputs [B, T, H] over a batch, and for a feature draft the target features it should
+    reproduce. An exit adapter or plain draft reads the cached h_L (one pass). A feature draft's first pass reads
+    the target's features one position back (``batch.x`` caches h at the top layer; the target's final norm makes
+    them f); each further pass (``chain_steps``) feeds the previous pass's own outputs instead, as drafting the
+    2nd, 3rd... token of a chain does, so training sees the draft's own errors."""
+    rope = model.rope.table(torch.arange(batch.x.shape[1], device=batch.x.device), batch.x.dtype)
+    if not adapter.feature_input:
+        return [adapter.forward_dense(batch.x, rope)], None
+    with torch.no_grad():
+        f = model.norm(batch.x)
+        emb = model.embed_tokens(batch.tokens)
+    outs: list[torch.Tensor] = []
+    prev = f
+    for _ in range(max(1, chain_steps)):
+        shifted = torch.cat([prev.new_zeros(prev.shape[0], 1, prev.shape[2]), prev[:, :-1]], dim=1)
+        outs.append(adapter.forward_dense(adapter.fuse(shifted, emb), rope))
+        prev = outs[-1].detach()
+    return outs, f
 
 
 # ------------------------------------------------------------------------------------------------------ loss
@@ -302,13 +341,17 @@ def evaluate(adapter: ExitAdapter, model: LlamaForCausalLM, split: Split, cache:
     (= the drafter's greedy acceptance per position) and with the subset head, and the share of positions whose
     draft confidence reaches ``--min-draft-prob`` with the agreement there."""
     p = next(adapter.parameters())
-    n = agree = agree_sub = conf_n = conf_agree = 0
+    n = agree = agree_sub = conf_n = conf_agree = chain_agree = 0
     loss_sum = 0.0
     for idx in plan_batches(split, args.batch_tokens, None):
-        x, mask, t_val, t_idx = gather_batch(split, idx, cache, p.device, p.dtype)
-        rope = model.rope.table(torch.arange(x.shape[1], device=p.device), p.dtype)
-        hs = adapter.forward_dense(x, rope)[mask]
+        b = gather_batch(split, idx, cache, p.device, p.dtype)
+        t_val, t_idx = b.t_val, b.t_idx
+        outs, _ = dense_passes(adapter, model, b, 2 if adapter.feature_input else 1)
+        hs = outs[0][b.mask]
         rows = hs.shape[0]
+        if len(outs) > 1:  # the 2nd pass drafts from the draft's own features: a chain's 2nd and later tokens
+            chain_agree += int((head.ids[F.linear(outs[1][b.mask], head.weight).argmax(-1)] if head.ids is not None
+                                else F.linear(outs[1][b.mask], head.weight).argmax(-1)).eq(t_idx[:, 0]).sum())
         loss_sum += float(distill_loss(hs, head, t_val, t_idx, args.hard_weight, args.temperature)) * rows
         teacher_top = t_idx[:, 0]
         for s in range(0, rows, 1024):  # the full head in chunks: 49k columns x many rows
@@ -326,6 +369,8 @@ def evaluate(adapter: ExitAdapter, model: LlamaForCausalLM, split: Split, cache:
     n = max(n, 1)
     out = {"val_loss": loss_sum / n, "agree": agree / n, "confident": conf_n / n,
            "agree_confident": conf_agree / max(conf_n, 1), "positions": n}
+    if adapter.feature_input:
+        out["agree_own_features"] = chain_agree / n
     if head.ids is not None:
         out["agree_subset_head"] = agree_sub / n
         in_sub = head.pos[torch.cat([cache["t_idx"][split.a_off[k] : split.a_off[k] + r.num_answer, 0]
@@ -349,6 +394,7 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
     from leapdecode.config import EngineConfig
     from leapdecode.engine.llm_engine import LLMEngine
     from leapdecode.spec.dynamic_gamma import StepCostModel
+    from leapdecode.spec.feature_draft import FeatureDraftProposer
     from leapdecode.spec.self_spec import SelfSpecProposer
     from leapdecode.spec.speculator import Speculator
 
@@ -363,7 +409,8 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
     if subset and "agree_subset_head" in metrics:
         heads.append((f"subset{subset}", subset, metrics["agree_subset_head"]))
     for name, n, alpha in heads:
-        prop = SelfSpecProposer(eng, adapter, 0.0, ranked[:n] if n else None)
+        kind = FeatureDraftProposer if adapter.feature_input else SelfSpecProposer
+        prop = kind(eng, adapter, 0.0, ranked[:n] if n else None)
         d1 = StepCostModel.calibrate(prop._timed_draft_step, sizes=(1,), repeats=5)(1)
         best_g, best_x = 0, 1.0
         for g in range(1, 9):
@@ -382,7 +429,7 @@ def _command_line(args: argparse.Namespace) -> str:
     skip = ("func", "train_func", "command", "train_command") + (("layer",) if draft else ())
     parts = []
     for k, v in vars(args).items():
-        if k in skip or v is None or v is False:
+        if k in skip or v is None or v is False or (k in ("feature_weight", "chain_steps") and not args.features):
             continue
         flag = "--layers" if draft and k == "adapter_layers" else "--" + k.replace("_", "-")
         parts.append(flag if v is True else f"{flag} {v}")
@@ -414,6 +461,10 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     model, cfg = load_model(model_path, DTYPES[args.dtype], args.device)
     if not 0 <= args.layer < cfg.num_hidden_layers:
         raise ValueError(f"--layer must be in [0, {cfg.num_hidden_layers - 1}] for this model, got {args.layer}")
+    if args.features and args.layer:
+        raise ValueError("--features is for drafts (`leapdecode train draft`): they share no target layers")
+    if args.chain_steps < 1:
+        raise ValueError(f"--chain-steps must be >= 1, got {args.chain_steps}")
     if not 1 <= args.adapter_layers <= cfg.num_hidden_layers - args.layer:
         raise ValueError(f"--adapter-layers must be in [1, {cfg.num_hidden_layers - args.layer}], got "
                          f"{args.adapter_layers}")
@@ -431,21 +482,23 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
                 "max_records": args.max_records}
     teacher_key = {**base_key, "topk": args.topk}
     cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
-    tpath, hpath = cache_dir / "teacher.pt", cache_dir / f"hidden_L{args.layer}.pt"
+    # a feature draft reads the target's top-layer features, every other drafter h_L
+    cache_layer = cfg.num_hidden_layers if args.features else args.layer
+    tpath, hpath = cache_dir / "teacher.pt", cache_dir / f"hidden_L{cache_layer}.pt"
     tcache: dict[str, Any] = {}
 
     def build_teacher() -> dict[str, Any]:
-        d = compute_cache(model, records, args.layer, args.topk, True, args.cache_tokens, "cache h_L + teacher")
+        d = compute_cache(model, records, cache_layer, args.topk, True, args.cache_tokens, "cache h_L + teacher")
         tcache["hidden"] = d.pop("hidden")  # computed on the way: save it too
         return d
 
     teacher = cached(tpath, teacher_key, build_teacher)
     if "hidden" in tcache:
-        hidden = cached(hpath, {**base_key, "layer": args.layer}, lambda: {"hidden": tcache.pop("hidden")})
+        hidden = cached(hpath, {**base_key, "layer": cache_layer}, lambda: {"hidden": tcache.pop("hidden")})
     else:
-        hidden = cached(hpath, {**base_key, "layer": args.layer},
-                        lambda: compute_cache(model, records, args.layer, args.topk, False, args.cache_tokens,
-                                              f"cache h_L (L={args.layer})"))
+        hidden = cached(hpath, {**base_key, "layer": cache_layer},
+                        lambda: compute_cache(model, records, cache_layer, args.topk, False, args.cache_tokens,
+                                              f"cache h_L (L={cache_layer})"))
     cache = {"hidden": hidden["hidden"], "t_val": teacher["t_val"], "t_idx": teacher["t_idx"]}
     cache_s = time.time() - t0
     train, val = make_split(train_recs, records), make_split(val_recs, records)
@@ -461,7 +514,7 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     head = Head(model, ranked, args.vocab_subset)
 
     # 3. adapter, optimiser, resume
-    adapter = ExitAdapter.from_target(model, args.layer, args.init, args.adapter_layers)
+    adapter = ExitAdapter.from_target(model, args.layer, args.init, args.adapter_layers, args.features)
     for prm in adapter.parameters():
         prm.requires_grad_(True)
     opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -469,6 +522,8 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
                "vocab_subset": args.vocab_subset,
                "val_fraction": args.val_fraction, "seed": args.seed, "batch_tokens": args.batch_tokens,
                "hard_weight": args.hard_weight, "temperature": args.temperature}
+    if args.features:
+        run_key.update(features=True, feature_weight=args.feature_weight, chain_steps=args.chain_steps)
     ckpt_path = out / "checkpoint.pt"
     epoch, step_in_epoch, global_step = 0, 0, 0
     history: list[dict[str, Any]] = []
@@ -498,6 +553,8 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
                 f"(~{expected_accepted(metrics['agree'], 3):.2f} tokens/step at 3 drafts) | "
                 f"p>={args.min_draft_prob}: {metrics['confident']:.0%} of positions, {metrics['agree_confident']:.1%} "
                 "agree")
+        if "agree_own_features" in metrics:
+            line += f" | from its own features (2nd+ chain tokens) {metrics['agree_own_features']:.1%}"
         if "agree_subset_head" in metrics:
             line += (f" | subset head ({head.size}) agreement {metrics['agree_subset_head']:.1%}, teacher top-1 "
                      f"in subset {metrics['teacher_top1_in_subset']:.1%}")
@@ -518,10 +575,13 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
         bar = tqdm(total=len(batches), initial=step_in_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step")
         losses: list[float] = []
         while step_in_epoch < len(batches):
-            x, mask, t_val, t_idx = gather_batch(train, batches[step_in_epoch], cache, p0.device, p0.dtype)
-            rope = model.rope.table(torch.arange(x.shape[1], device=p0.device), p0.dtype)
-            hs = adapter.forward_dense(x, rope)[mask]
-            loss = distill_loss(hs, head, t_val, t_idx, args.hard_weight, args.temperature)
+            b = gather_batch(train, batches[step_in_epoch], cache, p0.device, p0.dtype)
+            outs, feats = dense_passes(adapter, model, b, args.chain_steps)
+            loss = sum(distill_loss(o[b.mask], head, b.t_val, b.t_idx, args.hard_weight, args.temperature)
+                       for o in outs) / len(outs)
+            if feats is not None and args.feature_weight > 0:  # EAGLE's regression: stay close to f for the next step
+                loss = loss + args.feature_weight * sum(F.smooth_l1_loss(o[b.real], feats[b.real])
+                                                        for o in outs) / len(outs)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(global_step, total, args)
             opt.zero_grad(set_to_none=True)
@@ -655,6 +715,14 @@ def _common_args(p) -> None:
                    "steps on SmolLM2)")
     p.add_argument("--min-draft-prob", type=float, default=0.3,
                    help="drafting threshold stored in the artefact and used for the confidence metrics")
+    p.add_argument("--features", action="store_true",
+                   help="train a feature-conditioned draft (EAGLE-style; `train draft` only): its input is the "
+                   "target's final hidden state one position back fused with the current token's embedding")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="feature drafts: weight of the smooth-L1 loss to the target's next feature")
+    p.add_argument("--chain-steps", type=int, default=2,
+                   help="feature drafts: training passes per batch, each after the first fed the draft's own "
+                   "features (as the 2nd and later tokens of a chain are drafted)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--max-records", type=int, default=None, help="use only the first N records")
     p.add_argument("--max-seq-len", type=int, default=1024, help="truncate prompt + answer to this many tokens")

@@ -1,0 +1,258 @@
+"""The feature-conditioned (EAGLE-style) draft: lossless, conditioned on the target's own features for every
+committed token (never its own), never recomputes the target, consistent between training and inference, and
+`leapdecode train draft --features` lowers its loss and writes an artefact `draft_model` runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.cli import main
+from leapdecode.models.loader import load_model
+from leapdecode.spec.feature_draft import FeatureDraftProposer
+from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
+from leapdecode.train.self_spec import Batch, dense_passes
+
+from .conftest import assert_no_leaks
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
+    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
+    "a b c a b c a b",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny4(make_tiny_model) -> Path:
+    return make_tiny_model(num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def plain4(tiny4) -> LLM:
+    return LLM(model=str(tiny4), kv_cache_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def want(plain4) -> list[list[int]]:
+    return _tokens(plain4, PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def tiny1(make_tiny_model) -> Path:
+    return make_tiny_model(num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def plain1(tiny1) -> LLM:
+    return LLM(model=str(tiny1), kv_cache_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def near_exact(tiny1, tmp_path_factory) -> dict[str, Path]:
+    """Feature drafts of a one-layer target built from the target itself: ``exact`` (fc = [0 | I] and the
+    target's layer and norm: the draft *is* the target, every draft is accepted) and ``rough`` (a little of the
+    feature half switched on: on these chaotic random models drafts are then accepted about a quarter of the
+    time, so both the accepted and the rollback paths run)."""
+    model, _ = load_model(tiny1)
+    out = {}
+    for name, scale in [("exact", 0.0), ("rough", 0.01)]:
+        torch.manual_seed(0)
+        adapter = ExitAdapter.from_target(model, 0, "next", 1, feature_input=True)
+        with torch.no_grad():
+            h = model.config.hidden_size
+            adapter.fc.weight[:, :h].normal_(0, scale / h**0.5)
+        out[name] = tmp_path_factory.mktemp(f"feature_{name}")
+        save_adapter(adapter, out[name], model, {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny4, tmp_path_factory) -> Path:
+    """A one-layer feature draft trained for a few seconds on the tiny model's own answers."""
+    tmp = tmp_path_factory.mktemp("feature_draft")
+    prompts = tmp / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
+                                 for i, t in enumerate(["cats", "rivers", "clocks", "bread", "snow", "maps"])))
+    data = tmp / "distill"
+    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
+                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    out = tmp / "draft"
+    assert main(["train", "draft", "--features", "--data", str(data), "--layers", "1", "--model", str(tiny4),
+                 "--out", str(out), "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25",
+                 "--lr", "3e-3", "--warmup", "2", "--epochs", "3", "--no-estimate"]) == 0
+    return out
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _spec(plain: LLM, folder: Path, **kw) -> LLM:
+    cfg = {"method": "draft_model", "model": str(folder), "use_cost_model": False, "min_draft_prob": 0.0, **kw}
+    return LLM.from_engine_of(plain, speculative_config=cfg, kv_cache_blocks=256, block_size=4)
+
+
+def test_artefact_roundtrip_and_fuse_starts_as_the_plain_draft(tiny4, trained):
+    model, _ = load_model(tiny4)
+    loaded, cfg, _ = load_adapter(trained, model)
+    assert cfg["input"] == "features" and loaded.feature_input and loaded.fc is not None
+    fresh = ExitAdapter.from_target(model, 0, "next", 1, feature_input=True)
+    e, f = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(fresh.fuse(f, e), e)  # [0 | I]: the features start switched off
+    with pytest.raises(ValueError, match="shares no target layers"):
+        ExitAdapter(model.config, 2, 1, feature_input=True)
+
+
+def test_training_passes_match_the_paged_inference_forward(tiny4):
+    """dense_passes (training) feeds position p the target feature of p-1 (zeros at 0) with embed(x_p), exactly
+    what the drafter's paged forward computes over fuse(f_{p-1}, embed(x_p)); its 2nd pass feeds the 1st's
+    outputs instead of the target's features."""
+    from dataclasses import replace
+
+    from leapdecode.engine.block_manager import BlockManager
+    from leapdecode.engine.kv_cache import KVCache
+    from leapdecode.engine.model_runner import ForwardItem, ModelRunner
+    from leapdecode.spec.draft_model import _Shadow
+
+    model, cfg = load_model(tiny4)
+    torch.manual_seed(1)
+    adapter = ExitAdapter.from_target(model, 0, "last", 1, feature_input=True)
+    with torch.no_grad():
+        adapter.fc.weight.normal_(0, 0.05)
+    t = 6
+    x = torch.randn(1, t, cfg.hidden_size) * 4  # stands for the target's pre-norm top-layer states
+    tokens = torch.randint(0, cfg.vocab_size, (1, t))
+    batch = Batch(x, tokens, torch.ones(1, t, dtype=torch.bool), torch.ones(1, t, dtype=torch.bool),
+                  torch.zeros(t, 2), torch.zeros(t, 2, dtype=torch.long))
+    with torch.no_grad():
+        outs, feats = dense_passes(adapter, model, batch, chain_steps=2)
+        f = model.norm(x[0])
+        torch.testing.assert_close(feats[0], f)
+        kv = KVCache(replace(cfg, num_hidden_layers=1), 8, 4, torch.float32, torch.device("cpu"))
+        bm = BlockManager(8, 4, enable_prefix_caching=False)
+        runner = ModelRunner(model, kv, 4, torch.device("cpu"))
+        emb = model.embed_tokens(tokens[0])
+        for k, prev in enumerate([f, outs[0][0]]):
+            sh = _Shadow()
+            bm.allocate(sh, t)
+            _, pos, meta, _ = runner.prepare([ForwardItem(sh.block_table, 0, [0] * t, list(range(t)))])
+            shifted = torch.cat([torch.zeros(1, cfg.hidden_size), prev[:-1]])
+            paged = adapter(adapter.fuse(shifted, emb), model.rope.table(pos, x.dtype), kv.layers, meta)
+            torch.testing.assert_close(paged, outs[k][0], atol=1e-4, rtol=1e-4)
+            bm.free(sh)
+
+
+@pytest.mark.parametrize("name", ["exact", "rough"])
+def test_feature_draft_is_lossless_and_reads_the_targets_own_features(name, plain1, tiny1, near_exact):
+    """Token-identical to plain decoding; the feature fed for every committed position is the target's final
+    normed hidden state one position back (checked against HF transformers), each committed position is fed on
+    target features exactly once (accepted drafts are recomputed from the target's), and the target's layers
+    run only for its own prefill and verification rows."""
+    from transformers import AutoModelForCausalLM
+
+    want = _tokens(plain1, PROMPTS, GREEDY)
+    spec = _spec(plain1, near_exact[name])
+    prop = spec.engine.speculator.proposer
+    assert isinstance(prop, FeatureDraftProposer)
+    model = spec.engine.model
+    assert list(spec.engine.runner.captures) == [model.config.num_hidden_layers]
+    seen: list[tuple[str, int, torch.Tensor]] = []
+    orig = prop._features_before
+
+    def spy(seq, start, end):
+        feats = orig(seq, start, end)
+        seen.append((seq.request_id, start, feats.clone()))
+        return feats
+
+    prop._features_before = spy
+    counts = [0] * len(model.layers)
+    handles = [layer.register_forward_pre_hook(lambda _m, inp, i=i: counts.__setitem__(i, counts[i] + inp[0].shape[0]))
+               for i, layer in enumerate(model.layers)]
+    try:
+        outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafted > 0 and (accepted == drafted if name == "exact" else 0 < accepted < drafted)
+    assert counts == [spec.engine.runner.num_forward_tokens] * len(model.layers) and prop.num_fallback_tokens == 0
+    hf = AutoModelForCausalLM.from_pretrained(tiny1, torch_dtype=torch.float32).eval()
+    by_id = {o.request_id: o for o in outs}
+    fed: dict[str, set[int]] = {}
+    for rid, start, feats in seen:
+        o = by_id[rid]
+        ids = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids])
+        with torch.no_grad():
+            ref = hf(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+        ref = torch.cat([torch.zeros(1, ref.shape[1]), ref])  # ref[p] = f_{p-1}
+        torch.testing.assert_close(feats, ref[start : start + feats.shape[0]], atol=1e-4, rtol=1e-4)
+        span = set(range(start, start + feats.shape[0]))
+        assert not span & fed.setdefault(rid, set())  # each committed position fed on target features once
+        fed[rid] |= span
+    assert_no_leaks(spec)
+    assert not prop.shadows and prop.adapter_bm.num_free_blocks == prop.adapter_bm.num_blocks
+
+
+def test_sampling_batching_and_preemption(plain1, near_exact):
+    """Seeded sampling matches itself across runs and drafts; mixed opt-outs and a pool small enough to preempt
+    stay token-identical to plain decoding."""
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, speculative=(i % 3 != 1))
+              for i in range(6)]
+    prompts = PROMPTS + PROMPTS[:2]
+    want = _tokens(plain1, prompts, params)
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "draft_model", "model": str(near_exact["rough"]),
+                                                          "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=60, block_size=4)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert spec.engine.speculator.proposer.num_fallback_tokens == 0
+    assert_no_leaks(spec)
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True)
+    spec2 = _spec(plain1, near_exact["rough"])
+    a, b = _tokens(spec2, PROMPTS, sampled), _tokens(spec2, PROMPTS, sampled)
+    assert a == b and spec2.engine.stats["num_draft_tokens"] > 0
+
+
+def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid(trained, plain4, want, tmp_path):
+    from leapdecode.spec.medusa import PYRAMID
+
+    from .conftest import save_random_heads
+
+    out = trained
+    rec = json.loads((out / "record.json").read_text())
+    assert rec["command"].startswith("leapdecode train draft --layers 1 ") and "--features" in rec["command"]
+    assert "--chain-steps 2" in rec["command"]
+    hist = rec["history"]
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"] and min(h["val_loss"] for h in hist[1:]) < hist[0]["val_loss"]
+    assert "agree_own_features" in hist[-1]
+    assert json.loads((out / "config.json").read_text())["input"] == "features"
+    spec = _spec(plain4, out)
+    assert isinstance(spec.engine.speculator.proposer, FeatureDraftProposer)
+    assert _tokens(spec, PROMPTS, GREEDY) == want
+    assert spec.engine.stats["num_draft_tokens"] > 0
+    # the trunk of a hybrid: branches that win are compacted into the sequential slots, and the captured
+    # features follow them there (no fallback pass)
+    heads = save_random_heads(tmp_path / "heads", PYRAMID, seed=5, first_head_seed=11)
+    hyb = LLM.from_engine_of(plain4, speculative_config={
+        "method": "hybrid", "model": str(out), "heads": str(heads), "use_cost_model": False,
+        "num_speculative_tokens": 3, "min_draft_prob": 0.0, "branches": 2}, kv_cache_blocks=256, block_size=4)
+    outs = hyb.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    prop = hyb.engine.speculator.proposer
+    assert isinstance(prop.chain, FeatureDraftProposer) and prop.chain.num_fallback_tokens == 0
+    assert_no_leaks(hyb)
+    chain = prop.chain  # compaction moves the stored features and tags with the K/V
+    src, dst = torch.tensor([5, 9]), torch.tensor([1, 2])
+    before = chain.h_pool[src].clone(), chain.pos_tag[src].clone(), chain.tok_tag[src].clone()
+    hyb.engine.runner.copy_slots(src, dst)
+    assert torch.equal(chain.h_pool[dst], before[0]) and torch.equal(chain.pos_tag[dst], before[1])
+    assert torch.equal(chain.tok_tag[dst], before[2])
