@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SPEC_METHODS = ("ngram", "draft_model", "self_spec", "medusa", "hybrid", "blockwise", "auto")
+SPEC_METHODS = ("ngram", "draft_model", "self_spec", "eagle", "medusa", "hybrid", "blockwise", "auto")
 LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
 
 

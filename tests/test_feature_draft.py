@@ -17,14 +17,9 @@ from leapdecode.spec.feature_draft import FeatureDraftProposer
 from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
 from leapdecode.train.self_spec import Batch, dense_passes
 
+from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3",
-    "Summarize: Paris is the capital of France. Paris is known for the Eiffel Tower.",
-    "a b c a b c a b",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -256,3 +251,46 @@ def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid
     hyb.engine.runner.copy_slots(src, dst)
     assert torch.equal(chain.h_pool[dst], before[0]) and torch.equal(chain.pos_tag[dst], before[1])
     assert torch.equal(chain.tok_tag[dst], before[2])
+
+
+def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1, monkeypatch, tmp_path):
+    """``{"method": "eagle"}`` runs a feature draft (by path, or the shipped one), ``auto`` offers the shipped one
+    for its own target, a hybrid takes it as its trunk, and a folder that is not a feature draft is a clear
+    error."""
+    from leapdecode.spec import self_spec
+    from leapdecode.spec.speculator import auto_methods
+
+    want = _tokens(plain1, PROMPTS, GREEDY)
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["rough"]),
+                                                          "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=256)
+    assert isinstance(spec.engine.speculator.proposer, FeatureDraftProposer)
+    assert _tokens(spec, PROMPTS, GREEDY) == want
+    monkeypatch.setattr(self_spec, "EAGLE_DIR", near_exact["exact"])  # "ship" it
+    shipped = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "use_cost_model": False,
+                                                             "min_draft_prob": 0.0}, kv_cache_blocks=256)
+    assert _tokens(shipped, PROMPTS, GREEDY) == want
+    assert shipped.engine.stats["num_accepted_tokens"] == shipped.engine.stats["num_draft_tokens"] > 0  # the exact one
+    assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine)
+    hyb = LLM.from_engine_of(plain1, speculative_config={
+        "method": "hybrid", "trunk": "eagle", "heads": str(_heads(tmp_path, plain1)), "use_cost_model": False,
+        "num_speculative_tokens": 3, "min_draft_prob": 0.0}, kv_cache_blocks=256, block_size=4)
+    assert isinstance(hyb.engine.speculator.proposer.chain, FeatureDraftProposer)
+    assert _tokens(hyb, PROMPTS, GREEDY) == want
+    assert_no_leaks(hyb)
+    model, _ = load_model(tiny1)
+    plain_draft = tmp_path / "plain_draft"
+    save_adapter(ExitAdapter.from_target(model, 0, "next", 1), plain_draft, model, {})
+    with pytest.raises(ValueError, match="feature-conditioned"):
+        LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(plain_draft)})
+    monkeypatch.setattr(self_spec, "EAGLE_DIR", tmp_path / "none")
+    with pytest.raises(ValueError, match="train draft --features"):
+        LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
+
+
+def _heads(tmp_path: Path, plain: LLM) -> Path:
+    from leapdecode.spec.medusa import PYRAMID
+
+    from .conftest import save_random_heads
+
+    return save_random_heads(tmp_path / "heads", PYRAMID, seed=5, first_head_seed=11)

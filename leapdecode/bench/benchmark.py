@@ -29,6 +29,7 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "ngram": {"method": "ngram"},
     "draft_model": {"method": "draft_model"},
     "self_spec": {"method": "self_spec"},
+    "eagle": {"method": "eagle"},
     "medusa": {"method": "medusa"},
     "hybrid": {"method": "hybrid"},
     "blockwise": {"method": "blockwise"},

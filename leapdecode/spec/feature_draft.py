@@ -35,10 +35,9 @@ import torch
 
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
-from leapdecode.layers.sampler import processed_probs, sample_from
 from leapdecode.spec.draft_model import _Shadow
 from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.self_spec import SelfSpecProposer, _Plan
+from leapdecode.spec.self_spec import SelfSpecProposer, _Plan, _with_probs
 
 
 class FeatureDraftProposer(SelfSpecProposer):
@@ -46,7 +45,7 @@ class FeatureDraftProposer(SelfSpecProposer):
     docstring). Invariant: after ``on_verified`` the draft's cache holds only positions whose input feature was
     the target's."""
 
-    name = "draft_model"
+    name = "eagle"
 
     def capture_layer(self) -> int:
         return self.model.config.num_hidden_layers
@@ -106,33 +105,12 @@ class FeatureDraftProposer(SelfSpecProposer):
         active = plans
         while active:
             feats = self._adapter_pass(items, h_in)  # f^ at each sequence's newest position
-            logits = self._logits(feats)
-            top = torch.softmax(logits, dim=-1).max(dim=-1).values.tolist()
-            keep, toks = [], []
-            for j, (p, it) in enumerate(zip(active, items)):
-                p.shadow.num_computed_tokens = it.start + len(it.tokens)
-                seq = p.seq
-                if top[j] < self.min_draft_prob:
-                    continue  # not confident enough: stop this chain here
-                row = logits[j : j + 1]
-                if seq.params.greedy or self.argmax_drafts:
-                    tok = int(row.argmax(dim=-1))
-                else:
-                    q = processed_probs(row, [seq.params])[0]
-                    tok = sample_from(q, seq.generator or self.engine.generator)
-                    probs_rows[p.index].append(q)
-                props[p.index].tokens.append(tok)
-                if len(props[p.index].tokens) < p.budget:
-                    keep.append(j)
-                    toks.append(tok)
+            keep, toks = self._draft_step(active, items, self._logits(feats), props, probs_rows)
             active = [active[j] for j in keep]
-            if active:
+            if active:  # each chain's next input: its own feature and the token it just drafted
                 items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
                 h_in = self._fused(feats[keep], toks)
-        for i, rows in probs_rows.items():
-            if rows:
-                props[i].probs = torch.stack(rows)
-        return props
+        return _with_probs(props, probs_rows)
 
     def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
         """Keep only positions drafted from target features: accepted drafts are recomputed from the target's."""

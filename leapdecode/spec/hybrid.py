@@ -23,7 +23,8 @@ step. The trunk length follows the dynamic-γ rule on the trunk's acceptance, si
 Config: ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the shipped Medusa heads;
 ``"model": PATH`` makes a draft model the trunk (an HF/GGUF model, ``"target"``: the target itself, e.g. with
 ``draft_linear_kernel``, or a ``leapdecode train draft`` folder), unless ``"trunk": "self_spec"`` says PATH is an
-exit adapter; ``"trunk": "draft_model"`` without a path takes the shipped draft; ``"heads": PATH`` other heads,
+exit adapter (``"trunk": "eagle"``: a feature-conditioned draft, shipped or PATH); ``"trunk": "draft_model"``
+without a path takes the shipped draft; ``"heads": PATH`` other heads,
 ``"branches": N`` candidates per depth beside the trunk (default 1).
 """
 
@@ -92,8 +93,8 @@ class HybridProposer(Proposer):
         if not isinstance(branches, int) or branches < 0:
             raise ValueError(f"branches must be an integer >= 0, got {branches!r}")
         trunk = ex.pop("trunk", "draft_model" if cfg.model else "self_spec")
-        if trunk not in ("self_spec", "draft_model"):
-            raise ValueError(f'trunk must be "self_spec" or "draft_model", got {trunk!r}')
+        if trunk not in ("self_spec", "draft_model", "eagle"):
+            raise ValueError(f'trunk must be "self_spec", "draft_model" or "eagle", got {trunk!r}')
         heads_cfg = dataclasses.replace(cfg, method="medusa", model=ex.pop("heads", None), extra=ex)
         heads = MedusaProposer.from_config(heads_cfg, engine)
         chain: Proposer
@@ -102,8 +103,8 @@ class HybridProposer(Proposer):
                                                  kind="draft_model")
         elif trunk == "draft_model":
             chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
-        else:
-            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method="self_spec", extra=ex), engine)
+        else:  # self_spec or eagle: "model", if given, names that drafter's folder
+            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method=trunk, extra=ex), engine, kind=trunk)
         chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)
         return cls(chain, heads, branches, DynamicGamma(cfg))
 

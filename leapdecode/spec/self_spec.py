@@ -63,6 +63,14 @@ from leapdecode.spec.proposer import Proposal
 
 ARTIFACT_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "self_spec"
 DRAFT_DIR = ARTIFACT_DIR.parent / "draft"  # the small draft: an adapter with L = 0 (``leapdecode train draft``)
+EAGLE_DIR = ARTIFACT_DIR.parent / "eagle"  # the feature-conditioned draft (``leapdecode train draft --features``)
+# per kind of drafter, the command that trains one (its shipped artefact: shipped_dir)
+TRAIN_COMMANDS = {"self_spec": "train self-spec", "draft_model": "train draft", "eagle": "train draft --features"}
+
+
+def shipped_dir(kind: str) -> Path:
+    """Where the shipped artefact of ``kind`` lives (looked up on each call, so tests can point it elsewhere)."""
+    return {"self_spec": ARTIFACT_DIR, "draft_model": DRAFT_DIR, "eagle": EAGLE_DIR}[kind]
 WEIGHTS_FILE = "adapter.safetensors"
 CONFIG_FILE = "config.json"
 RECORD_FILE = "record.json"
@@ -301,6 +309,14 @@ def shipped_adapter_for(target: LlamaForCausalLM, folder: Path | None = None) ->
 
 
 # ----------------------------------------------------------------------------------------------- the drafter
+def _with_probs(props: list[Proposal], probs_rows: dict[int, list[torch.Tensor]]) -> list[Proposal]:
+    """Attach each sampled chain's draft distributions (rows in draft order) to its proposal."""
+    for i, rows in probs_rows.items():
+        if rows:
+            props[i].probs = torch.stack(rows)
+    return props
+
+
 @dataclasses.dataclass
 class _Plan:
     """One sequence's drafting this step."""
@@ -370,23 +386,26 @@ class SelfSpecProposer(ShadowCacheProposer):
     @classmethod
     def from_config(cls, cfg, engine, shipped_only: bool = False, kind: str = "self_spec") -> SelfSpecProposer:
         """``cfg.model`` is an adapter folder; without one (or with ``shipped_only``, as under ``auto``, where
-        "model" names a draft model), the shipped one: the exit adapter, or with ``kind="draft_model"`` the small
-        draft (an adapter with no shared layers, ``leapdecode train draft``). Extra keys: ``min_draft_prob``
-        (stop drafting below this top probability) and ``draft_vocab`` (score only the N most frequent tokens of
-        the artefact's ranked vocabulary; 0 = the full LM head)."""
+        "model" names a draft model), the shipped one of ``kind`` (``shipped_dir``): the exit adapter, the small draft
+        (an adapter with no shared layers, ``draft_model``) or the feature-conditioned draft (``eagle``). A
+        ``draft_model`` folder may hold either kind of draft; ``eagle`` must be a feature draft. Extra keys:
+        ``min_draft_prob`` (stop drafting below this top probability) and ``draft_vocab`` (score only the N most
+        frequent tokens of the artefact's ranked vocabulary; 0 = the full LM head)."""
         user_path = None if shipped_only else cfg.model
-        folder = ARTIFACT_DIR if kind == "self_spec" else DRAFT_DIR
+        folder, command = shipped_dir(kind), TRAIN_COMMANDS[kind]
         path = user_path or shipped_adapter_path(folder)
-        command = "self-spec" if kind == "self_spec" else "draft"
         if path is None:
             raise ValueError(
                 f'speculative method "{kind}" needs a trained drafter: pass "model": PATH (a folder written by '
-                f"`leapdecode train {command}`); none is shipped in {folder}"
+                f"`leapdecode {command}`); none is shipped in {folder}"
             )
         if user_path is None and shipped_adapter_for(engine.model, folder) is None:
             raise ValueError(f'speculative method "{kind}" needs "model": PATH for this model: the shipped drafter '
-                             f"({path}) was trained for another one (`leapdecode train {command}` makes one)")
+                             f"({path}) was trained for another one (`leapdecode {command}` makes one)")
         adapter, acfg, ranked = load_adapter(path, engine.model)
+        if kind == "eagle" and not adapter.feature_input:
+            raise ValueError(f'speculative method "eagle" needs a feature-conditioned draft (`leapdecode {command}`); '
+                             f"{path} reads {'h_L' if adapter.layer_index else 'tokens only'}")
         extra = cfg.extra or {}
         min_p = extra.get("min_draft_prob", acfg.get("min_draft_prob", DEFAULT_MIN_DRAFT_PROB))
         if not (isinstance(min_p, (int, float)) and 0.0 <= float(min_p) <= 1.0):
@@ -550,30 +569,36 @@ class SelfSpecProposer(ShadowCacheProposer):
                                  for p in active]
                 h_in = h_new
             logits = self._logits(self._adapter_pass(adapter_items, h_in))
-            top = torch.softmax(logits, dim=-1).max(dim=-1).values.tolist()
-            next_active, next_feed = [], []
-            for j, (p, it) in enumerate(zip(active, adapter_items)):
-                p.shadow.num_computed_tokens = it.start + len(it.tokens)
-                seq = p.seq
-                if top[j] < self.min_draft_prob:
-                    continue  # not confident enough: stop this chain here
-                row = logits[j : j + 1]
-                if seq.params.greedy or self.argmax_drafts:
-                    tok = int(row.argmax(dim=-1))
-                else:
-                    q = processed_probs(row, [seq.params])[0]
-                    tok = sample_from(q, seq.generator or self.engine.generator)
-                    probs_rows[p.index].append(q)
-                props[p.index].tokens.append(tok)
-                if len(props[p.index].tokens) < p.budget:
-                    next_active.append(p)
-                    next_feed.append(tok)
-            active, feed = next_active, next_feed
+            keep, feed = self._draft_step(active, adapter_items, logits, props, probs_rows)
+            active = [active[j] for j in keep]
             step += 1
-        for i, rows in probs_rows.items():
-            if rows:
-                props[i].probs = torch.stack(rows)
-        return props
+        return _with_probs(props, probs_rows)
+
+    def _draft_step(self, active: list[_Plan], items: list[ForwardItem], logits: torch.Tensor,
+                    props: list[Proposal], probs_rows: dict[int, list[torch.Tensor]]) -> tuple[list[int], list[int]]:
+        """One draft position for every active chain (``logits`` row j is chain j's): its adapter cache now
+        covers ``items``; a chain whose top probability is below ``min_draft_prob`` stops, the others draft their
+        argmax (or sample it, keeping the distribution for rejection sampling). Returns the indices into ``active``
+        of the chains that go on and the tokens they drafted."""
+        top = torch.softmax(logits, dim=-1).max(dim=-1).values.tolist()
+        keep, toks = [], []
+        for j, (p, it) in enumerate(zip(active, items)):
+            p.shadow.num_computed_tokens = it.start + len(it.tokens)
+            seq = p.seq
+            if top[j] < self.min_draft_prob:
+                continue  # not confident enough: stop this chain here
+            row = logits[j : j + 1]
+            if seq.params.greedy or self.argmax_drafts:
+                tok = int(row.argmax(dim=-1))
+            else:
+                q = processed_probs(row, [seq.params])[0]
+                tok = sample_from(q, seq.generator or self.engine.generator)
+                probs_rows[p.index].append(q)
+            props[p.index].tokens.append(tok)
+            if len(props[p.index].tokens) < p.budget:
+                keep.append(j)
+                toks.append(tok)
+        return keep, toks
 
     # on_verified / release (ShadowCacheProposer) roll the adapter cache back to the committed prefix; accepted
     # drafts keep the adapter K/V written while drafting (their h_L equals the target's): nothing is recomputed

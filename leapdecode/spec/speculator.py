@@ -52,11 +52,11 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
         from leapdecode.spec.blockwise import BlockwiseProposer
 
         return BlockwiseProposer.from_config(cfg, engine)
-    if method == "self_spec":
+    if method in ("self_spec", "eagle"):
         from leapdecode.spec.self_spec import SelfSpecProposer
 
-        # under auto, "model" names the draft model, so self_spec uses the shipped adapter
-        return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto")
+        # under auto, "model" names the draft model, so self_spec and eagle use the shipped artefacts
+        return SelfSpecProposer.from_config(cfg, engine, shipped_only=cfg.method == "auto", kind=method)
     if method == "hybrid":
         from leapdecode.spec.hybrid import HybridProposer
 
@@ -68,13 +68,15 @@ def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
     """What ``auto`` chooses among: every lossless drafter usable without further arguments (self_spec when the
     shipped exit adapter was trained for the engine's target)."""
     methods = ["ngram"]
-    from leapdecode.spec.self_spec import DRAFT_DIR, shipped_adapter_for
+    from leapdecode.spec.self_spec import DRAFT_DIR, EAGLE_DIR, shipped_adapter_for
 
     if cfg.model or (engine is not None and shipped_adapter_for(engine.model, DRAFT_DIR) is not None):
         methods.append("draft_model")
     if engine is not None:
         if shipped_adapter_for(engine.model) is not None:
             methods.append("self_spec")
+        if shipped_adapter_for(engine.model, EAGLE_DIR) is not None:
+            methods.append("eagle")
         from leapdecode.spec.medusa import shipped_heads_for
 
         if shipped_heads_for(engine.model) is not None:
