@@ -238,6 +238,14 @@ def test_auto_is_lossless_and_picks_among_methods(tiny_model_dir, plain_tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
     assert_no_leaks(spec)
+    # "methods" narrows the candidates (to measure what one drafter adds); unusable or unknown names are errors
+    only = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
+                                                              "methods": ["draft_model"]})
+    assert set(only.engine.speculator.proposers) == {"draft_model"}
+    with pytest.raises(ValueError, match="cannot use"):
+        LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "methods": ["ngram", "medusa"]})
+    with pytest.raises(ValueError, match="non-empty list"):
+        LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "methods": "ngram"})
 
 
 def test_measured_speculation_overhead_enters_the_decision(tiny_model_dir, plain_tiny):

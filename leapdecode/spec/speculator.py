@@ -66,7 +66,13 @@ def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> 
 
 def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
     """What ``auto`` chooses among: every lossless drafter usable without further arguments (self_spec when the
-    shipped exit adapter was trained for the engine's target)."""
+    shipped exit adapter was trained for the engine's target), or only those of them that the config's
+    ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``)."""
+    wanted = (cfg.extra or {}).get("methods")
+    if wanted is not None:
+        allowed = {"ngram", "draft_model", "self_spec", "eagle", "medusa"}
+        if not isinstance(wanted, list) or not wanted or not set(wanted) <= allowed:
+            raise ValueError(f'auto\'s "methods" must be a non-empty list drawn from {sorted(allowed)}, got {wanted!r}')
     methods = ["ngram"]
     from leapdecode.spec.self_spec import DRAFT_DIR, EAGLE_DIR, shipped_adapter_for
 
@@ -81,6 +87,11 @@ def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
 
         if shipped_heads_for(engine.model) is not None:
             methods.append("medusa")
+    if wanted is not None:
+        missing = [m for m in wanted if m not in methods]
+        if missing:
+            raise ValueError(f"auto cannot use {missing} here (no shipped drafter for this model, or no \"model\")")
+        methods = [m for m in methods if m in wanted]
     return methods
 
 
