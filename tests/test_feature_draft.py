@@ -158,14 +158,14 @@ def test_feature_draft_is_lossless_and_reads_the_targets_own_features(name, plai
     model = spec.engine.model
     assert list(spec.engine.runner.captures) == [model.config.num_hidden_layers]
     seen: list[tuple[str, int, torch.Tensor]] = []
-    orig = prop._features_before
+    orig = prop._catchup_for
 
-    def spy(seq, start, end):
-        feats = orig(seq, start, end)
+    def spy(seq, start):
+        feats = orig(seq, start)
         seen.append((seq.request_id, start, feats.clone()))
         return feats
 
-    prop._features_before = spy
+    prop._catchup_for = spy
     counts = [0] * len(model.layers)
     handles = [layer.register_forward_pre_hook(lambda _m, inp, i=i: counts.__setitem__(i, counts[i] + inp[0].shape[0]))
                for i, layer in enumerate(model.layers)]

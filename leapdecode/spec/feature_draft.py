@@ -35,9 +35,8 @@ import torch
 
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.draft_model import _Shadow
 from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.self_spec import SelfSpecProposer, _Plan, _with_probs
+from leapdecode.spec.self_spec import SelfSpecProposer, _with_probs
 
 
 class FeatureDraftProposer(SelfSpecProposer):
@@ -65,9 +64,10 @@ class FeatureDraftProposer(SelfSpecProposer):
         self.num_fallback_tokens += end - start
         return self.model(ids, pos, self.target_kv.layers, meta)
 
-    def _features_before(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """f_{p-1} for positions p in [start, end): the target's features, zeros before position 0."""
-        feats = self._catchup_rows(seq, max(start - 1, 0), end - 1)
+    def _catchup_for(self, seq: Sequence, start: int) -> torch.Tensor:
+        """f_{p-1} for positions p in [start, n): every position from the draft's cache end through the last
+        committed token, each with the target's feature one position back (zeros before position 0)."""
+        feats = self._catchup_rows(seq, max(start - 1, 0), seq.num_tokens - 1)
         if start == 0:
             feats = torch.cat([feats.new_zeros(1, feats.shape[1]), feats])
         return feats
@@ -79,19 +79,7 @@ class FeatureDraftProposer(SelfSpecProposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
-        plans: list[_Plan] = []
-        for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            n = seq.num_tokens
-            k = min(k, self.engine.max_model_len - n)
-            if k <= 0 or seq.num_computed_tokens != n - 1:  # decoding sequences only
-                continue
-            sh = self.shadows.setdefault(seq.request_id, _Shadow())
-            sh.num_computed_tokens = min(sh.num_computed_tokens, n - 1)
-            # the draft writes positions a .. n+k-2 (catch-up through the last committed token, then all drafts
-            # but the last)
-            if not self._reserve(sh, n + k - 1):
-                continue
-            plans.append(_Plan(i, seq, sh, k, self._features_before(seq, sh.num_computed_tokens, n)))
+        plans = self._plan(seqs, budgets)
         if not plans:
             return props
         probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}

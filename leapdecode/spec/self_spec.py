@@ -325,7 +325,7 @@ class _Plan:
     seq: Sequence
     shadow: _Shadow  # adapter cache: block table and how many leading positions have adapter K/V
     budget: int
-    catchup: torch.Tensor  # [m, H] h_L of committed positions the adapter has not seen (from the target)
+    catchup: torch.Tensor  # [m, H] rows the adapter has not seen of committed positions (_catchup_for)
 
 
 class SelfSpecProposer(ShadowCacheProposer):
@@ -526,9 +526,9 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.adapter_bm.allocate(sh, num_tokens)  # type: ignore[arg-type]
         return True
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        props = [Proposal([]) for _ in seqs]
+    def _plan(self, seqs: list[Sequence], budgets: list[int]) -> list[_Plan]:
+        """The decoding sequences that can draft this step, each with adapter blocks reserved and its catch-up
+        rows (``_catchup_for``)."""
         plans: list[_Plan] = []
         for i, (seq, k) in enumerate(zip(seqs, budgets)):
             n = seq.num_tokens
@@ -542,7 +542,17 @@ class SelfSpecProposer(ShadowCacheProposer):
             # the adapter writes positions a .. n+k-2 (the last committed token and all drafts but the last)
             if not self._reserve(sh, n + k - 1):
                 continue
-            plans.append(_Plan(i, seq, sh, k, self._catchup_rows(seq, sh.num_computed_tokens, n - 1)))
+            plans.append(_Plan(i, seq, sh, k, self._catchup_for(seq, sh.num_computed_tokens)))
+        return plans
+
+    def _catchup_for(self, seq: Sequence, start: int) -> torch.Tensor:
+        """What the adapter must see of committed positions [start, n-1) before it drafts: their h_L."""
+        return self._catchup_rows(seq, start, seq.num_tokens - 1)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in seqs]
+        plans = self._plan(seqs, budgets)
         if not plans:
             return props
         probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}
