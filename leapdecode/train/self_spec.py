@@ -350,8 +350,8 @@ def evaluate(adapter: ExitAdapter, model: LlamaForCausalLM, split: Split, cache:
         hs = outs[0][b.mask]
         rows = hs.shape[0]
         if len(outs) > 1:  # the 2nd pass drafts from the draft's own features: a chain's 2nd and later tokens
-            chain_agree += int((head.ids[F.linear(outs[1][b.mask], head.weight).argmax(-1)] if head.ids is not None
-                                else F.linear(outs[1][b.mask], head.weight).argmax(-1)).eq(t_idx[:, 0]).sum())
+            cols = F.linear(outs[1][b.mask], head.weight).argmax(-1)
+            chain_agree += int((cols if head.ids is None else head.ids[cols]).eq(t_idx[:, 0]).sum())
         loss_sum += float(distill_loss(hs, head, t_val, t_idx, args.hard_weight, args.temperature)) * rows
         teacher_top = t_idx[:, 0]
         for s in range(0, rows, 1024):  # the full head in chunks: 49k columns x many rows
@@ -718,7 +718,7 @@ def _common_args(p) -> None:
     p.add_argument("--features", action="store_true",
                    help="train a feature-conditioned draft (EAGLE-style; `train draft` only): its input is the "
                    "target's final hidden state one position back fused with the current token's embedding")
-    p.add_argument("--feature-weight", type=float, default=1.0,
+    p.add_argument("--feature-weight", type=float, default=0.3,
                    help="feature drafts: weight of the smooth-L1 loss to the target's next feature")
     p.add_argument("--chain-steps", type=int, default=2,
                    help="feature drafts: training passes per batch, each after the first fed the draft's own "
