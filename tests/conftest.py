@@ -100,6 +100,36 @@ SPEC_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tiny4(make_tiny_model) -> Path:
+    """The 4-layer tiny model the drafter tests share (self_spec, hybrid, feature draft)."""
+    return make_tiny_model(num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def plain4(tiny4):
+    """Plain decoding on ``tiny4``, one engine per test module (drafter engines share its weights)."""
+    from leapdecode import LLM
+
+    return LLM(model=str(tiny4), kv_cache_blocks=256)
+
+
+def distill_tiny(model_dir: Path, folder: Path, topics: list[str]) -> Path:
+    """``leapdecode train distill-data`` on a tiny model: greedy answers (32 tokens) to "Tell me about <topic>."
+    prompts, written to ``folder``/distill; returns that folder."""
+    import json
+
+    from leapdecode.cli import main
+
+    prompts = folder / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
+                                 for i, t in enumerate(topics)))
+    data = folder / "distill"
+    assert main(["train", "distill-data", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(data),
+                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    return data
+
+
 def assert_no_leaks(llm) -> None:
     """Every KV block is back in the free pool (cached-but-free blocks count as free)."""
     bm = llm.engine.block_manager

@@ -14,23 +14,14 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.cli import main
 from leapdecode.models.loader import load_model
 from leapdecode.spec.feature_draft import FeatureDraftProposer
+from leapdecode.spec.medusa import PYRAMID
 from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
 from leapdecode.train.self_spec import Batch, dense_passes
 
 from .conftest import SPEC_PROMPTS as PROMPTS
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, distill_tiny, save_random_heads
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny4(make_tiny_model) -> Path:
-    return make_tiny_model(num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def plain4(tiny4) -> LLM:
-    return LLM(model=str(tiny4), kv_cache_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +62,7 @@ def near_exact(tiny1, tmp_path_factory) -> dict[str, Path]:
 def trained(tiny4, tmp_path_factory) -> Path:
     """A one-layer feature draft trained for a few seconds on the tiny model's own answers."""
     tmp = tmp_path_factory.mktemp("feature_draft")
-    prompts = tmp / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
-                                 for i, t in enumerate(["cats", "rivers", "clocks", "bread", "snow", "maps"])))
-    data = tmp / "distill"
-    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
-                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    data = distill_tiny(tiny4, tmp, ["cats", "rivers", "clocks", "bread", "snow", "maps"])
     out = tmp / "draft"
     assert main(["train", "draft", "--features", "--data", str(data), "--layers", "1", "--model", str(tiny4),
                  "--out", str(out), "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25",
@@ -218,10 +204,6 @@ def test_sampling_batching_and_preemption(plain1, near_exact):
 
 
 def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid(trained, plain4, want, tmp_path):
-    from leapdecode.spec.medusa import PYRAMID
-
-    from .conftest import save_random_heads
-
     out = trained
     rec = json.loads((out / "record.json").read_text())
     assert rec["command"].startswith("leapdecode train draft --layers 1 ") and "--features" in rec["command"]
@@ -236,7 +218,7 @@ def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid
     assert spec.engine.stats["num_draft_tokens"] > 0
     # the trunk of a hybrid: branches that win are compacted into the sequential slots, and the captured
     # features follow them there (no fallback pass)
-    heads = save_random_heads(tmp_path / "heads", PYRAMID, seed=5, first_head_seed=11)
+    heads = _heads(tmp_path)
     hyb = LLM.from_engine_of(plain4, speculative_config={
         "method": "hybrid", "model": str(out), "heads": str(heads), "use_cost_model": False,
         "num_speculative_tokens": 3, "min_draft_prob": 0.0, "branches": 2}, kv_cache_blocks=256, block_size=4)
@@ -273,7 +255,7 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     assert shipped.engine.stats["num_accepted_tokens"] == shipped.engine.stats["num_draft_tokens"] > 0  # the exact one
     assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine)
     hyb = LLM.from_engine_of(plain1, speculative_config={
-        "method": "hybrid", "trunk": "eagle", "heads": str(_heads(tmp_path, plain1)), "use_cost_model": False,
+        "method": "hybrid", "trunk": "eagle", "heads": str(_heads(tmp_path)), "use_cost_model": False,
         "num_speculative_tokens": 3, "min_draft_prob": 0.0}, kv_cache_blocks=256, block_size=4)
     assert isinstance(hyb.engine.speculator.proposer.chain, FeatureDraftProposer)
     assert _tokens(hyb, PROMPTS, GREEDY) == want
@@ -288,9 +270,6 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
 
 
-def _heads(tmp_path: Path, plain: LLM) -> Path:
-    from leapdecode.spec.medusa import PYRAMID
-
-    from .conftest import save_random_heads
-
+def _heads(tmp_path: Path) -> Path:
+    """Random pyramid heads for the tiny models (the hybrid's branches)."""
     return save_random_heads(tmp_path / "heads", PYRAMID, seed=5, first_head_seed=11)

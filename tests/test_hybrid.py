@@ -47,16 +47,6 @@ def test_tree_shape_trunk_first_branches_beside_it_and_prefixes_stay_valid():
 
 
 @pytest.fixture(scope="module")
-def tiny4(make_tiny_model) -> Path:
-    return make_tiny_model(num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def plain4(tiny4) -> LLM:
-    return LLM(model=str(tiny4), kv_cache_blocks=256)
-
-
-@pytest.fixture(scope="module")
 def parts(tiny4, make_tiny_model, tmp_path_factory) -> dict[str, Path]:
     """An untrained L=2 exit adapter (mixed acceptance), random pyramid heads, and another tiny model (a draft
     that never agrees, for the error checks; the draft-model trunk below is the target itself)."""

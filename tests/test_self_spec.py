@@ -15,7 +15,7 @@ from leapdecode.models.loader import load_model
 from leapdecode.spec import self_spec
 from leapdecode.spec.self_spec import ExitAdapter, SelfSpecProposer, load_adapter, save_adapter
 
-from .conftest import assert_no_leaks
+from .conftest import assert_no_leaks, distill_tiny
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -24,11 +24,6 @@ PROMPTS = [
     "a b c a b c a b",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny4(make_tiny_model) -> Path:
-    return make_tiny_model(num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +38,6 @@ def adapters(tiny4, tmp_path_factory) -> dict[str, Path]:
         save_adapter(ExitAdapter.from_target(model, layer, init), d, model, {})
         out[name] = d
     return out
-
-
-@pytest.fixture(scope="module")
-def plain4(tiny4) -> LLM:
-    return LLM(model=str(tiny4), kv_cache_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -251,13 +241,8 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
 
 # ------------------------------------------------------------------------------------------------- training
 def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
     topics = ["the sea", "cats", "numbers", "gravity", "colors", "the sky", "bread", "Hamlet"]
-    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
-                                 for i, t in enumerate(topics)))
-    data = tmp_path / "distill"
-    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
-                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    data = distill_tiny(tiny4, tmp_path, topics)
     out = tmp_path / "adapter"
     args = ["train", "self-spec", "--data", str(data), "--layer", "2", "--model", str(tiny4), "--out", str(out),
             "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25", "--lr", "3e-3",
@@ -290,12 +275,7 @@ def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny
     with no shared layers) lowers its loss and writes an artefact that `draft_model` drafts with -- by path, and
     without one when it is the shipped draft -- token-identical to plain decoding, capturing nothing but the
     embeddings from the target's passes."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Tell me about {t}."})
-                                 for i, t in enumerate(["cats", "rivers", "clocks", "bread", "snow", "maps"])))
-    data = tmp_path / "distill"
-    assert main(["train", "distill-data", "--model", str(tiny4), "--prompts", str(prompts), "--out", str(data),
-                 "--max-tokens", "32", "--batch-size", "8"]) == 0
+    data = distill_tiny(tiny4, tmp_path, ["cats", "rivers", "clocks", "bread", "snow", "maps"])
     out = tmp_path / "draft"
     assert main(["train", "draft", "--data", str(data), "--layers", "2", "--model", str(tiny4), "--out", str(out),
                  "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25", "--lr", "3e-3",
