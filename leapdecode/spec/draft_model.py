@@ -11,6 +11,7 @@ batch in one forward per draft position. After verification it rolls its shadow 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +36,31 @@ class _Shadow:
 class ShadowCacheProposer(Proposer):
     """A drafter with its own paged KV cache that mirrors each target sequence with a ``_Shadow`` (block table
     + how many leading positions it holds K/V for). Invariant: after verification the shadow never claims more
-    than the committed prefix; ``release`` returns its blocks. Subclasses set ``shadows`` and ``shadow_bm``."""
+    than the committed prefix; ``release`` returns its blocks. Subclasses set ``shadows`` and ``shadow_bm``,
+    and time their own draft steps (``_timed_draft_step``) for the cost model."""
 
     shadows: dict[str, _Shadow]
     shadow_bm: BlockManager
     #: draft each sequence's argmax even when it samples: a tree verifier (hybrid) needs candidates, not draws,
     #: and drafting then consumes nothing of the sequence's random stream (seeded output stays reproducible)
     argmax_drafts: bool = False
+    #: seconds per draft step by rows in it, measured by ``calibrate_cost`` (None: not calibrated, costs 0)
+    step_cost_fn: Callable[[int], float] | None = None
+
+    def _timed_draft_step(self, n: int) -> None:
+        """Run one draft step of ``n`` rows at a short context (what ``calibrate_cost`` times)."""
+        raise NotImplementedError
+
+    def calibrate_cost(self) -> None:
+        """Time draft steps of 1, 2, 4, 8 rows (``_timed_draft_step``), 3 times each."""
+        from leapdecode.spec.dynamic_gamma import StepCostModel
+
+        self.step_cost_fn = StepCostModel.calibrate(self._timed_draft_step, sizes=(1, 2, 4, 8), repeats=3)
+
+    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
+        if self.step_cost_fn is None:
+            return 0.0
+        return num_tokens * self.step_cost_fn(num_seqs)
 
     def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
         sh = self.shadows.get(seq.request_id)
@@ -82,7 +101,6 @@ class DraftModelProposer(ShadowCacheProposer):
         self.bm = self.shadow_bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.kv, block_size, device)
         self.shadows: dict[str, _Shadow] = {}
-        self.step_cost_fn = None  # set by the speculator after calibration
 
     @classmethod
     def from_path(cls, path: str, engine, linear_kernel: str | None = None) -> DraftModelProposer:
@@ -149,15 +167,8 @@ class DraftModelProposer(ShadowCacheProposer):
                 props[i].probs = torch.stack(rows)
         return props
 
-    def calibrate_cost(self) -> None:
-        """One draft forward of 1, 2, 4, 8 rows at a short context on borrowed blocks, 3 times each."""
-        from leapdecode.spec.dynamic_gamma import StepCostModel
+    def _timed_draft_step(self, n: int) -> None:
+        """One draft forward of ``n`` rows at a short context on borrowed blocks."""
         from leapdecode.spec.speculator import Speculator
 
-        self.step_cost_fn = StepCostModel.calibrate(lambda n: Speculator._timed_step(self.runner, self.bm, n),
-                                                    sizes=(1, 2, 4, 8), repeats=3)
-
-    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
-        if self.step_cost_fn is None:
-            return 0.0
-        return num_tokens * self.step_cost_fn(num_seqs)
+        Speculator._timed_step(self.runner, self.bm, n)

@@ -371,7 +371,6 @@ class SelfSpecProposer(ShadowCacheProposer):
         # unpacked, the adapter alone read 14 MB of float32 weights per draft step through torch's ops
         if engine.pack_linears(adapter) and self._head_subset is not None:
             self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset)
-        self.step_cost_fn = None
         # counters (see the module docstring)
         self.num_shared_tokens = 0
         self.num_shared_calls = 0
@@ -631,14 +630,3 @@ class SelfSpecProposer(ShadowCacheProposer):
                 torch.softmax(self._logits(out), dim=-1).max(dim=-1)
         finally:
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
-
-    def calibrate_cost(self) -> None:
-        """Time draft steps of 1, 2, 4, 8 rows (``_timed_draft_step``), 3 times each."""
-        from leapdecode.spec.dynamic_gamma import StepCostModel
-
-        self.step_cost_fn = StepCostModel.calibrate(self._timed_draft_step, sizes=(1, 2, 4, 8), repeats=3)
-
-    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
-        if self.step_cost_fn is None:
-            return 0.0
-        return num_tokens * self.step_cost_fn(num_seqs)

@@ -29,6 +29,7 @@ from leapdecode.spec.tree import (
 from leapdecode.spec.verify import verify_greedy, verify_sampling
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
+AUTO_CANDIDATES = ("ngram", "draft_model", "self_spec", "eagle", "medusa")  # what ``auto`` may choose among
 
 
 def make_proposer(cfg: SpeculativeConfig, engine, method: str | None = None) -> Proposer:
@@ -70,9 +71,9 @@ def auto_methods(cfg: SpeculativeConfig, engine=None) -> list[str]:
     ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``)."""
     wanted = (cfg.extra or {}).get("methods")
     if wanted is not None:
-        allowed = {"ngram", "draft_model", "self_spec", "eagle", "medusa"}
-        if not isinstance(wanted, list) or not wanted or not set(wanted) <= allowed:
-            raise ValueError(f'auto\'s "methods" must be a non-empty list drawn from {sorted(allowed)}, got {wanted!r}')
+        if not isinstance(wanted, list) or not wanted or not set(wanted) <= set(AUTO_CANDIDATES):
+            raise ValueError(f'auto\'s "methods" must be a non-empty list drawn from {list(AUTO_CANDIDATES)}, got '
+                             f"{wanted!r}")
     methods = ["ngram"]
     from leapdecode.spec.self_spec import DRAFT_DIR, EAGLE_DIR, shipped_adapter_for
 

@@ -653,7 +653,7 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
     }
     (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    method = "self_spec" if args.layer else "draft_model"
+    method = "self_spec" if args.layer else "eagle" if args.features else "draft_model"
     print(f"wrote the {'adapter' if args.layer else 'draft'} to {out} (best epoch {extra['best_epoch']}, top-1 "
           f'agreement {final["agree"]:.1%}); use speculative_config={{"method": "{method}", "model": "{out}"}}')
     return 0
