@@ -130,6 +130,18 @@ def distill_tiny(model_dir: Path, folder: Path, topics: list[str]) -> Path:
     return data
 
 
+def layer_row_counters(model) -> tuple[list[int], list]:
+    """Rows through each target layer, counted by forward pre-hooks (independent of the drafters' own counters);
+    remove the returned handles when done."""
+    counts = [0] * len(model.layers)
+    handles = []
+    for i, layer in enumerate(model.layers):
+        def hook(_mod, inputs, i=i):
+            counts[i] += inputs[0].shape[0]
+        handles.append(layer.register_forward_pre_hook(hook))
+    return counts, handles
+
+
 def assert_no_leaks(llm) -> None:
     """Every KV block is back in the free pool (cached-but-free blocks count as free)."""
     bm = llm.engine.block_manager

@@ -19,7 +19,7 @@ from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
 from leapdecode.train.self_spec import Batch, dense_passes
 
 from .conftest import SPEC_PROMPTS as PROMPTS
-from .conftest import assert_no_leaks, distill_tiny, save_random_heads
+from .conftest import assert_no_leaks, distill_tiny, layer_row_counters, save_random_heads
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -152,9 +152,7 @@ def test_feature_draft_is_lossless_and_reads_the_targets_own_features(name, plai
         return feats
 
     prop._catchup_for = spy
-    counts = [0] * len(model.layers)
-    handles = [layer.register_forward_pre_hook(lambda _m, inp, i=i: counts.__setitem__(i, counts[i] + inp[0].shape[0]))
-               for i, layer in enumerate(model.layers)]
+    counts, handles = layer_row_counters(model)
     try:
         outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:

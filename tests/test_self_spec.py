@@ -15,7 +15,7 @@ from leapdecode.models.loader import load_model
 from leapdecode.spec import self_spec
 from leapdecode.spec.self_spec import ExitAdapter, SelfSpecProposer, load_adapter, save_adapter
 
-from .conftest import assert_no_leaks, distill_tiny
+from .conftest import assert_no_leaks, distill_tiny, layer_row_counters
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -53,17 +53,6 @@ def _spec_llm(plain: LLM, adapter: Path, **kw) -> LLM:
     cfg = {"method": "self_spec", "model": str(adapter), "use_cost_model": False, "min_draft_prob": 0.0}
     overrides = {k: kw.pop(k) for k in ("kv_cache_blocks", "block_size", "max_num_seqs") if k in kw}
     return LLM.from_engine_of(plain, speculative_config={**cfg, **kw}, **{"kv_cache_blocks": 256, **overrides})
-
-
-def _layer_row_counters(model) -> tuple[list[int], list]:
-    """Rows through each target layer, counted by forward pre-hooks (independent of the drafter's counters)."""
-    counts = [0] * len(model.layers)
-    handles = []
-    for i, layer in enumerate(model.layers):
-        def hook(_mod, inputs, i=i):
-            counts[i] += inputs[0].shape[0]
-        handles.append(layer.register_forward_pre_hook(hook))
-    return counts, handles
 
 
 # ------------------------------------------------------------------------------------------------ the adapter
@@ -116,7 +105,7 @@ def test_self_spec_is_token_identical_and_never_recomputes_shared_layers(name, a
     prop: SelfSpecProposer = spec.engine.speculator.proposer
     L = prop.num_shared_layers
     model = spec.engine.model
-    counts, handles = _layer_row_counters(model)
+    counts, handles = layer_row_counters(model)
     try:
         outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
