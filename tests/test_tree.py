@@ -183,6 +183,58 @@ def test_tree_mask_forward_matches_each_path_brute_force(engine):
             engine.block_manager.free(sh)
 
 
+def test_tree_grown_over_passes_matches_each_path_brute_force(engine):
+    """A tree grown depth by depth (the feature draft's dynamic tree): each pass caches its nodes after the
+    earlier ones, and its mask covers them ([q, cached + q]), so a node sees exactly its ancestors from earlier
+    passes. Every node's logits equal a plain forward over prompt + its path."""
+    g = random.Random(2)
+    prompt = [g.randrange(100, 5000) for _ in range(11)]
+    parents = [-1, -1, 0, 0, 1, 2, 4]  # depths 1 1 2 2 2 3 3, grown in three passes
+    tokens = [g.randrange(100, 5000) for _ in parents]
+    depths = T.depths_of(parents)
+    bm, runner = engine.block_manager, engine.runner
+    sh = _Shadow()
+    bm.allocate(sh, len(prompt) + len(tokens))
+    got: dict[int, torch.Tensor] = {}
+    try:
+        runner.execute([ForwardItem(sh.block_table, 0, prompt, [])])
+        n = len(prompt)
+        cached: list[int] = []
+        for depth in (1, 2, 3):
+            new = [i for i, d in enumerate(depths) if d == depth]
+            mask = torch.zeros(len(new), len(cached) + len(new), dtype=torch.bool)
+            for j, i in enumerate(new):
+                anc = set(T.path_to(i, parents))
+                mask[j, : len(cached)] = torch.tensor([c in anc for c in cached], dtype=torch.bool)
+                mask[j, len(cached) + j] = True
+            start = n + len(cached)
+            item = ForwardItem(sh.block_table, start, [tokens[i] for i in new], list(range(len(new))),
+                               depths=[n - 1 + depth - start] * len(new), tree_mask=mask)
+            res = runner.execute([item])[0]
+            got.update({i: res.logits[j] for j, i in enumerate(new)})
+            cached += new
+    finally:
+        bm.free(sh)
+    for i in range(len(tokens)):
+        want = _logits(engine, prompt + [tokens[j] for j in T.path_to(i, parents)])[-1]
+        assert torch.allclose(got[i], want, atol=1e-4, rtol=1e-4), i
+
+
+def test_select_by_score_keeps_the_best_prefix_closed_subtree():
+    """The dynamic tree's cut: the N highest cumulative scores, parents first, parents re-indexed; a child that
+    ties its parent (probability 1) comes after it; a score that grows along a path is refused."""
+    parents = [-1, -1, 0, 0, 1, 2, 5]
+    scores = [0.6, 0.3, 0.3, 0.2, 0.25, 0.3, 0.05]
+    kept, new_parents = T.select_by_score(scores, parents, 4)
+    assert kept == [0, 1, 2, 5] and new_parents == [-1, -1, 0, 2]
+    kept, new_parents = T.select_by_score(scores, parents, 100)
+    assert sorted(kept) == list(range(7)) and all(p < j for j, p in enumerate(new_parents))
+    assert [parents[k] for k in kept] == [-1 if p < 0 else kept[p] for p in new_parents]
+    assert T.select_by_score(scores, parents, 0) == ([], [])
+    with pytest.raises(ValueError, match="without its parent"):
+        T.select_by_score([0.2, 0.5], [-1, 0], 1)
+
+
 def test_tree_verification_and_kv_compaction_match_brute_force(engine):
     """Trees built around the true greedy continuation (decoys first, so accepted nodes sit in non-sequential
     slots): the greedy walk equals a brute-force per-path check, and after moving the accepted nodes' K/V into

@@ -20,7 +20,8 @@ class ForwardItem:
 
     The tokens go to cache positions ``start .. start+len(tokens)-1`` (slots from ``block_table``). Their RoPE
     positions are the same unless ``depths`` is given (a candidate tree: node i sits at ``start + depths[i]``), in
-    which case ``tree_mask`` says which new tokens each may attend to.
+    which case ``tree_mask`` says which new tokens each may attend to ([len(tokens), m]: the last m positions,
+    so a tree grown over several passes can also mask its nodes cached by earlier ones).
     """
 
     block_table: list[int]

@@ -13,7 +13,8 @@ Groups are planned once per step by :func:`build_attention_metadata` and reused 
 - a sequence whose slots are one contiguous run reads the cache through a view instead of a gather.
 
 Masks are boolean (True = may attend). A new token at absolute position p may see every cached position <= p;
-a candidate tree (Medusa, hybrid) replaces the causal rule among the new tokens with its ancestor mask.
+a candidate tree (Medusa, hybrid) replaces the causal rule among the new tokens with its ancestor mask; a tree
+grown over several passes (the feature draft's dynamic tree) extends that mask over its nodes already cached.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class SeqAttention:
     ctx_len: int  # cached + new positions
     block_table: list[int]
     block_size: int
-    tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool among the new tokens; None = causal
+    # [q_len, m] bool, m >= q_len: what each new token may see of the last m positions (m - q_len earlier
+    # tree nodes already in the cache, then the new tokens); None = causal
+    tree_mask: torch.Tensor | None = None
     _slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def slots(self) -> torch.Tensor:
@@ -126,7 +129,7 @@ def _visible(seq: SeqAttention) -> torch.Tensor:
     qpos = torch.arange(q).unsqueeze(1) + past
     vis = torch.arange(ctx).unsqueeze(0) <= qpos
     if seq.tree_mask is not None:
-        vis[:, past:] = seq.tree_mask
+        vis[:, ctx - seq.tree_mask.shape[1] :] = seq.tree_mask
     return vis
 
 

@@ -175,6 +175,25 @@ def path_to(node: int, parents: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
+def select_by_score(scores: Sequence[float], parents: Sequence[int], max_nodes: int) -> tuple[list[int], list[int]]:
+    """A dynamic tree's final cut (EAGLE-2): of grown nodes with cumulative draft probabilities ``scores`` (a
+    node's score is its parent's times its own probability, so never above its parent's) and ``parents`` (-1 =
+    the root; parents first), keep the ``max_nodes`` best. Ties go to the shallower, then earlier node, so a
+    parent always beats its children and the cut is prefix-closed. Returns (kept node indices, parents-first by
+    depth; their parents as indices into the kept list)."""
+    depths = depths_of(parents)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[: max(0, max_nodes)]
+    kept = sorted(order, key=lambda i: (depths[i], i))
+    where = {node: j for j, node in enumerate(kept)}
+    new_parents = []
+    for i in kept:
+        p = parents[i]
+        if p >= 0 and p not in where:
+            raise ValueError(f"node {i} kept without its parent {p}: scores must not grow along a path")
+        new_parents.append(-1 if p < 0 else where[p])
+    return kept, new_parents
+
+
 # ----------------------------------------------------------------------------------------- verification
 def verify_tree_greedy(
     target_argmax: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
@@ -260,6 +279,7 @@ __all__ = [
     "materialize",
     "path_to",
     "rank_path_counts",
+    "select_by_score",
     "top_paths",
     "tree_attention_mask",
     "typical_threshold",
