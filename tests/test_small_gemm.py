@@ -62,6 +62,21 @@ def test_gguf_blocks_rebuild_the_dequantised_weights_exactly(fmt: str) -> None:
     assert small_gemm.BlockQuantized.cat([bq, None]) is None
 
 
+def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
+    """Drafters quantize their float weights to Q8_0 (enable_int8_drafting): the blocks are byte for byte those
+    of gguf's reference quantizer, zero blocks included."""
+    from gguf import GGMLQuantizationType, quants
+
+    for seed in range(3):
+        torch.manual_seed(seed)
+        w = torch.randn(48, 96) * (seed + 1)
+        w[0, :32] = 0
+        ref = small_gemm.BlockQuantized.from_gguf("Q8_0", quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0),
+                                                  (48, 96))
+        mine = small_gemm.BlockQuantized.quantize_q8(w)
+        assert torch.equal(mine.q, ref.q) and torch.equal(mine.scale, ref.scale)
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_kernels_equal_the_float32_kernel_bit_for_bit(fmt: str) -> None:

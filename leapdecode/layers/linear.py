@@ -65,6 +65,20 @@ class RowParallelLinear(nn.Module):
         return all_reduce(y) if self.reduce else y
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T, the whole W on every rank (small layers that are not worth splitting, e.g. a feature draft's
+    input projection); takes the few-row kernel like the parallel layers."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.shard_dim, self.weight.shard_parts = None, None
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_gemm.linear(x, self.weight, None, self.packed)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose vocabulary rows are split across ranks (masked lookup + all-reduce)."""
 
