@@ -12,10 +12,12 @@ import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.cli import main
+from leapdecode.layers import small_gemm
 from leapdecode.models.loader import load_model
 from leapdecode.spec.feature_draft import FeatureDraftProposer
 from leapdecode.spec.medusa import PYRAMID
 from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
+from leapdecode.spec.tree import depths_of
 from leapdecode.train.self_spec import Batch, dense_passes
 
 from .conftest import SPEC_PROMPTS as PROMPTS
@@ -75,7 +77,9 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
 
 
 def _spec(plain: LLM, folder: Path, **kw) -> LLM:
-    cfg = {"method": "draft_model", "model": str(folder), "use_cost_model": False, "min_draft_prob": 0.0, **kw}
+    # float32 drafting: the exact draft must reproduce the target (int8 drafting: test_int8_drafting_...)
+    cfg = {"method": "draft_model", "model": str(folder), "use_cost_model": False, "min_draft_prob": 0.0,
+           "draft_precision": "float32", **kw}
     return LLM.from_engine_of(plain, speculative_config=cfg, kv_cache_blocks=256, block_size=4)
 
 
@@ -248,7 +252,8 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     assert _tokens(spec, PROMPTS, GREEDY) == want
     monkeypatch.setattr(self_spec, "EAGLE_DIR", near_exact["exact"])  # "ship" it
     shipped = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "use_cost_model": False,
-                                                             "min_draft_prob": 0.0}, kv_cache_blocks=256)
+                                                             "min_draft_prob": 0.0, "draft_precision": "float32"},
+                                 kv_cache_blocks=256)
     assert _tokens(shipped, PROMPTS, GREEDY) == want
     assert shipped.engine.stats["num_accepted_tokens"] == shipped.engine.stats["num_draft_tokens"] > 0  # the exact one
     assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine)
@@ -266,6 +271,92 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     monkeypatch.setattr(self_spec, "EAGLE_DIR", tmp_path / "none")
     with pytest.raises(ValueError, match="train draft --features"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
+
+
+# beam 4 = 2 x 2: every node of the first two depths is expanded, so the tree holds all top-2 paths of depth 3
+def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
+    """By default a drafter's own projections (fc, its layer, the subset head) run as Q8_0 weights with int8
+    activations: every packed record is the int8-activation layout and each weight equals its Q8_0
+    dequantization. The exact draft is then only nearly exact (acceptance drops a little), and the output is
+    still plain decoding's; "float32" keeps float panels; anything else is an error."""
+    want = _tokens(plain1, PROMPTS, GREEDY)
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
+                                                          "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=256)
+    prop = spec.engine.speculator.proposer
+    assert prop.draft_precision == "int8"
+    linears = [m for m in prop.adapter.modules() if hasattr(m, "packed")]
+    assert len(linears) == 5 and all(m.packed.dim() == 4 for m in linears)  # fc, qkv, o, gate_up, down
+    for m in linears:
+        assert torch.equal(m.weight, small_gemm.BlockQuantized.quantize_q8(m.weight).dequantize())
+    assert _tokens(spec, PROMPTS, GREEDY) == want
+    st = spec.engine.stats
+    assert 0.5 * st["num_draft_tokens"] < st["num_accepted_tokens"] <= st["num_draft_tokens"]
+    f32 = _spec(plain1, near_exact["exact"])
+    assert f32.engine.speculator.proposer.draft_precision == "float32"
+    assert all(m.packed.dtype == torch.float32 for m in f32.engine.speculator.proposer.adapter.modules()
+               if getattr(m, "packed", None) is not None)
+    with pytest.raises(ValueError, match="draft_precision must be one of"):
+        _spec(plain1, near_exact["exact"], draft_precision="int4")
+
+
+TREE = {"tree_nodes": 64, "tree_topk": 2, "tree_beam": 4, "tree_depth": 3, "tree_min_prob": 0.0,
+        "draft_precision": "float32"}
+
+
+def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_exact):
+    """``"tree_nodes"`` makes eagle grow a tree (EAGLE-2). With the exact draft every node's children are the
+    target's own top-k after that node's path, so the target's greedy path is always in the tree (the beam here
+    expands every node; a narrower one may drop it) and each step accepts its full depth; a node that saw a
+    sibling or missed an ancestor would be wrong by depth 2 on these chaotic random models. The rough draft is
+    token-identical to plain decoding, greedy and seeded sampling."""
+    want = _tokens(plain1, PROMPTS, GREEDY)
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
+                                                          "use_cost_model": False, **TREE}, kv_cache_blocks=256,
+                              block_size=4)
+    prop = spec.engine.speculator.proposer
+    assert isinstance(prop, FeatureDraftProposer) and prop.tree_nodes == 64
+    depths: dict[str, int] = {}
+    accepted: list[tuple[int, int]] = []
+    orig_propose, orig_verified = prop.propose, prop.on_verified
+
+    def propose(seqs, budgets):
+        props = orig_propose(seqs, budgets)
+        for seq, pr in zip(seqs, props):
+            depths[seq.request_id] = max(depths_of(pr.parents), default=0) if pr.tokens else 0
+        return props
+
+    def on_verified(seq, num_prefix, num_accepted):
+        accepted.append((depths[seq.request_id], num_accepted))
+        orig_verified(seq, num_prefix, num_accepted)
+
+    prop.propose, prop.on_verified = propose, on_verified
+    assert _tokens(spec, PROMPTS, GREEDY) == want
+    assert len(accepted) > 10 and all(a == d for d, a in accepted) and max(d for d, _ in accepted) == 3
+    assert spec.engine.stats["num_draft_tokens"] > 2 * spec.engine.stats["num_accepted_tokens"]  # a tree, not a chain
+    assert_no_leaks(spec)
+    assert not prop.shadows and prop.adapter_bm.num_free_blocks == prop.adapter_bm.num_blocks
+
+    rough = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["rough"]),
+                                                           "use_cost_model": False, **TREE, "tree_nodes": 5},
+                               kv_cache_blocks=256, block_size=4)
+    assert _tokens(rough, PROMPTS, GREEDY) == want
+    st = rough.engine.stats
+    assert 0 < st["num_accepted_tokens"] < st["num_draft_tokens"]
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True)
+    assert _tokens(rough, PROMPTS, sampled) == _tokens(plain1, PROMPTS, sampled)
+    assert rough.engine.speculator.proposer.num_fallback_tokens == 0
+    assert_no_leaks(rough)
+
+
+def test_dynamic_tree_config_errors(plain1, near_exact):
+    base = {"model": str(near_exact["rough"])}
+    with pytest.raises(ValueError, match="tree_beam must be an integer >= 1"):
+        LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_nodes": 4, "tree_beam": 0})
+    with pytest.raises(ValueError, match="tree_min_prob"):
+        LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_min_prob": 1.5})
+    with pytest.raises(ValueError, match="needs the eagle method"):
+        LLM.from_engine_of(plain1, speculative_config={"method": "draft_model", **base, "tree_nodes": 4})
 
 
 def _heads(tmp_path: Path) -> Path:

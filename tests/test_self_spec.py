@@ -50,7 +50,9 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
 
 
 def _spec_llm(plain: LLM, adapter: Path, **kw) -> LLM:
-    cfg = {"method": "self_spec", "model": str(adapter), "use_cost_model": False, "min_draft_prob": 0.0}
+    # float32 drafting: the exact adapter must reproduce the target (int8 drafting is tested in test_feature_draft)
+    cfg = {"method": "self_spec", "model": str(adapter), "use_cost_model": False, "min_draft_prob": 0.0,
+           "draft_precision": "float32"}
     overrides = {k: kw.pop(k) for k in ("kv_cache_blocks", "block_size", "max_num_seqs") if k in kw}
     return LLM.from_engine_of(plain, speculative_config={**cfg, **kw}, **{"kv_cache_blocks": 256, **overrides})
 

@@ -23,6 +23,19 @@ to output the target's next feature f_p, which the target's own LM head turns in
   a full target pass over those positions that writes its K/V to a scratch slot, never over committed K/V. (Tree
   compaction does not cause it: the stored features follow the K/V, ``ModelRunner.copy_slots``.)
 
+**Dynamic tree** (EAGLE-2, opt-in with ``"tree_nodes": N``): instead of one chain, the draft grows a tree. Each
+pass expands the ``tree_beam`` best nodes of the newest depth (best = highest cumulative draft probability, the
+product along the path), each into its ``tree_topk`` most likely children; after ``tree_depth`` depths the N
+best nodes of the whole tree are verified in one target pass (tree.py's walk: lossless for greedy and sampling,
+the candidates being deterministic). The passes write their nodes' draft K/V to scratch positions after the
+committed prefix and attend through a tree mask that covers the nodes cached by earlier passes::
+
+    draft cache:  committed 0 .. n-1 | depth-1 beam | depth-2 beam | ...     (rolled back after verification)
+    node at depth d: RoPE position n-1+d, sees the committed prefix, its ancestors and itself
+
+Nodes whose cumulative probability is below ``tree_min_prob`` are never added, so a confident draft makes a deep
+narrow tree and an unsure one a small tree or none.
+
 It shares everything else with self-speculation (SelfSpecProposer): artefact format and loading, the stop
 threshold ``min_draft_prob``, the vocabulary-subset head, shadow caches, cost calibration. The draft is an
 ``ExitAdapter`` with ``feature_input`` (L = 0), so ``{"method": "draft_model"}`` runs whichever kind the
@@ -31,12 +44,38 @@ artefact holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
+from leapdecode.spec.dynamic_gamma import expected_tokens
 from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.self_spec import SelfSpecProposer, _with_probs
+from leapdecode.spec.self_spec import SelfSpecProposer, _Plan, _with_probs
+from leapdecode.spec.tree import select_by_score
+
+# dynamic tree defaults, chosen on 6 MT-Bench development prompts at batch 1 on the 2-core CPU (README: the
+# eagle tree table): wider or deeper trees accepted at most 0.03 more tokens per step and cost more to draft
+DEFAULT_TREE_TOPK = 2  # children considered per expanded node
+DEFAULT_TREE_BEAM = 2  # nodes expanded per depth
+DEFAULT_TREE_DEPTH = 3
+DEFAULT_TREE_MIN_PROB = 0.05  # smallest cumulative draft probability a node may have (not tuned)
+TREE_EMA = 0.2  # per-sequence tokens-per-step estimate of the tree: weight of each new step
+TREE_KEYS = ("tree_nodes", "tree_topk", "tree_beam", "tree_depth", "tree_min_prob")
+
+
+@dataclass
+class _Tree:
+    """One sequence's tree while it grows: nodes in creation order (parents first)."""
+
+    plan: _Plan
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # expanded nodes, in the order of their draft-cache rows
+    feats: dict[int, torch.Tensor] = field(default_factory=dict)  # expanded node -> its output feature
 
 
 class FeatureDraftProposer(SelfSpecProposer):
@@ -45,6 +84,24 @@ class FeatureDraftProposer(SelfSpecProposer):
     the target's."""
 
     name = "eagle"
+    tree_nodes = 0  # 0: draft a chain; N > 0: grow a dynamic tree and verify its N best nodes
+    tree_topk = DEFAULT_TREE_TOPK
+    tree_beam = DEFAULT_TREE_BEAM
+    tree_depth = DEFAULT_TREE_DEPTH
+    tree_min_prob = DEFAULT_TREE_MIN_PROB
+
+    def configure_tree(self, extra: dict) -> None:
+        """Read and check the dynamic-tree keys of the speculative config (module docstring)."""
+        ints = {"tree_nodes": 0, "tree_topk": 1, "tree_beam": 1, "tree_depth": 1}
+        for key, low in ints.items():
+            v = extra.get(key, getattr(self, key))
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{key} must be an integer >= {low}, got {v!r}")
+            setattr(self, key, v)
+        v = extra.get("tree_min_prob", self.tree_min_prob)
+        if not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
+            raise ValueError(f"tree_min_prob must be a number in [0, 1), got {v!r}")
+        self.tree_min_prob = float(v)
 
     def capture_layer(self) -> int:
         return self.model.config.num_hidden_layers
@@ -76,20 +133,27 @@ class FeatureDraftProposer(SelfSpecProposer):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.adapter.fuse(feats, self.model.embed_tokens(ids))
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        props = [Proposal([]) for _ in seqs]
-        plans = self._plan(seqs, budgets)
-        if not plans:
-            return props
-        probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}
-        # step 0: every position from the draft's cache end through the last committed token, on target features
+    def _catchup_items(self, plans: list[_Plan]) -> tuple[list[ForwardItem], torch.Tensor]:
+        """The first draft pass: every position from the draft's cache end through the last committed token, on
+        target features (its one logit row per sequence: the newest position)."""
         items = []
         for p in plans:
             a, m = p.shadow.num_computed_tokens, p.catchup.shape[0]
             self.num_catchup_tokens += m - 1
             items.append(ForwardItem(p.shadow.block_table, a, [0] * m, [m - 1]))
         h_in = torch.cat([self._fused(p.catchup, p.seq.token_ids[p.shadow.num_computed_tokens :]) for p in plans])
+        return items, h_in
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in seqs]
+        if self.tree_nodes:
+            return self._propose_tree(seqs, budgets, props)
+        plans = self._plan(seqs, budgets)
+        if not plans:
+            return props
+        probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}
+        items, h_in = self._catchup_items(plans)
         active = plans
         while active:
             feats = self._adapter_pass(items, h_in)  # f^ at each sequence's newest position
@@ -100,9 +164,113 @@ class FeatureDraftProposer(SelfSpecProposer):
                 h_in = self._fused(feats[keep], toks)
         return _with_probs(props, probs_rows)
 
+    # ---------------------------------------------------------------------------------------- dynamic tree
+    def _propose_tree(self, seqs: list[Sequence], budgets: list[int], props: list[Proposal]) -> list[Proposal]:
+        """Grow each sequence's tree depth by depth (module docstring), all sequences in one draft pass per
+        depth, then keep its ``budgets[i]`` best nodes. Candidates are the draft's top-k, never samples, so the
+        tree walk verifies sampled requests losslessly too."""
+        # the draft cache takes each depth's expanded nodes after the committed prefix
+        plans = self._plan(seqs, [self.tree_beam * (self.tree_depth - 1) + 1 if b > 0 else 0 for b in budgets])
+        if not plans:
+            return props
+        items, h_in = self._catchup_items(plans)
+        feats = self._adapter_pass(items, h_in)
+        for p, it in zip(plans, items):
+            p.shadow.num_computed_tokens = it.start + len(it.tokens)
+        trees = [_Tree(p) for p in plans]
+        growing: list[tuple[_Tree, list[int]]] = [(t, [-1]) for t in trees]  # (tree, nodes of feats' rows)
+        depth = 1
+        while growing:
+            logits, ids = self._subset_logits(feats)
+            top = torch.softmax(logits, dim=-1).topk(self.tree_topk, dim=-1)
+            top_p = top.values.tolist()
+            top_t = (top.indices if ids is None else ids[top.indices]).tolist()
+            row, nxt, parts, step_items = 0, [], [], []
+            for t, nodes in growing:
+                new = []
+                for node in nodes:
+                    t.feats[node] = feats[row]
+                    base = 1.0 if node < 0 else t.scores[node]
+                    for pr, tok in zip(top_p[row], top_t[row]):
+                        if base * pr < self.tree_min_prob:
+                            break  # children come best first
+                        new.append(len(t.tokens))
+                        t.tokens.append(int(tok))
+                        t.parents.append(node)
+                        t.depths.append(depth)
+                        t.scores.append(base * pr)
+                    row += 1
+                room = t.plan.budget - 1 - len(t.cached)  # draft-cache rows left for expanded nodes
+                if not new or room <= 0 or depth >= min(self.tree_depth, budgets[t.plan.index]):
+                    continue
+                expand = sorted(new, key=lambda i: -t.scores[i])[: min(self.tree_beam, room)]
+                step_items.append(self._expansion_item(t, expand, depth))
+                parts.append(self._fused(torch.stack([t.feats[t.parents[i]] for i in expand]),
+                                         [t.tokens[i] for i in expand]))
+                t.cached += expand
+                nxt.append((t, expand))
+            growing = nxt
+            depth += 1
+            if growing:
+                feats = self._adapter_pass(step_items, torch.cat(parts))
+        for t in trees:
+            i = t.plan.index
+            kept, parents = select_by_score(t.scores, t.parents, budgets[i])
+            if kept:
+                props[i] = Proposal([t.tokens[k] for k in kept], None, parents)
+                t.plan.seq.spec_state["eagle_tree"] = True  # on_verified: a tree was verified this step
+        return props
+
+    def _expansion_item(self, t: _Tree, expand: list[int], depth: int) -> ForwardItem:
+        """Draft-cache rows for the nodes ``expand`` (at ``depth``) after the ones already cached: each at RoPE
+        position n-1+depth, seeing the committed prefix, its cached ancestors and itself."""
+        n = t.plan.seq.num_tokens
+        start = n + len(t.cached)
+        ancestors = [set() for _ in expand]
+        for j, node in enumerate(expand):
+            a = t.parents[node]
+            while a >= 0:
+                ancestors[j].add(a)
+                a = t.parents[a]
+        q, past = len(expand), len(t.cached)
+        mask = torch.zeros(q, past + q, dtype=torch.bool)
+        for j in range(q):
+            mask[j, :past] = torch.tensor([c in ancestors[j] for c in t.cached], dtype=torch.bool)
+            mask[j, past + j] = True
+        return ForwardItem(t.plan.shadow.block_table, start, [0] * q, list(range(q)),
+                           depths=[n - 1 + depth - start] * q, tree_mask=mask)
+
+    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float] | None:
+        """Chains: None (dynamic gamma). Trees: ``tree_nodes`` nodes, with this sequence's measured tokens per
+        tree step (an EMA from the artefact's acceptance as a chain of ``tree_depth``); under the engine's cost
+        model 0 when that does not beat plain decoding, drifting back toward the prior so it is tried again."""
+        if not self.tree_nodes:
+            return None
+        n = min(self.tree_nodes, room)
+        prior = expected_tokens(self.acceptance_prior(), self.tree_depth)
+        est = seq.spec_state.setdefault("eagle_tree_tokens", prior)
+        if cost is not None and n > 0:
+            rate = (batch - 1 + est) / (cost(batch + n) + self.step_cost(batch, n))
+            if rate <= 1.02 * batch / cost(batch):
+                seq.spec_state["eagle_tree_tokens"] = est + 0.05 * (prior - est)
+                return 0, 1.0
+        return n, est
+
+    def step_cost(self, num_seqs: int, num_tokens: int) -> float:
+        """A tree costs its catch-up pass plus one pass of ``tree_beam`` rows per sequence for each further
+        depth, whatever its node count; a chain one pass per draft."""
+        if not self.tree_nodes or self.step_cost_fn is None or num_tokens <= 0:
+            return super().step_cost(num_seqs, num_tokens)
+        fn = self.step_cost_fn
+        return fn(num_seqs) + (self.tree_depth - 1) * fn(num_seqs * self.tree_beam)
+
     def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
-        """Keep only positions drafted from target features: accepted drafts are recomputed from the target's."""
+        """Keep only positions drafted from target features: accepted drafts are recomputed from the target's.
+        After a tree, its tokens per step enter the sequence's estimate (``tree_budget``)."""
         super().on_verified(seq, num_prefix_tokens, 0)
+        if seq.spec_state.pop("eagle_tree", False):
+            est = seq.spec_state.get("eagle_tree_tokens", 1.0 + num_accepted)
+            seq.spec_state["eagle_tree_tokens"] = est + TREE_EMA * (1.0 + num_accepted - est)
 
     @torch.inference_mode()
     def _timed_draft_step(self, n: int) -> None:

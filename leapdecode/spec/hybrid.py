@@ -103,8 +103,10 @@ class HybridProposer(Proposer):
                                                  kind="draft_model")
         elif trunk == "draft_model":
             chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
-        else:  # self_spec or eagle: "model", if given, names that drafter's folder
-            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method=trunk, extra=ex), engine, kind=trunk)
+        else:  # self_spec or eagle: "model", if given, names that drafter's folder; the trunk is a chain
+            trunk_ex = {k: v for k, v in ex.items() if not k.startswith("tree_")}
+            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method=trunk, extra=trunk_ex), engine,
+                                                 kind=trunk)
         chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)
         return cls(chain, heads, branches, DynamicGamma(cfg))
 

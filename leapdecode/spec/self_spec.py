@@ -53,7 +53,7 @@ from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers import small_gemm
 from leapdecode.layers.attention import AttentionMetadata
-from leapdecode.layers.linear import shard_tensor
+from leapdecode.layers.linear import ReplicatedLinear, shard_tensor
 from leapdecode.layers.rotary import apply_rotary
 from leapdecode.layers.sampler import processed_probs, sample_from
 from leapdecode.models.config import ModelConfig
@@ -71,6 +71,8 @@ CONFIG_FILE = "config.json"
 RECORD_FILE = "record.json"
 ARTIFACT_TYPE = "leapdecode.self_spec.exit_adapter"
 DEFAULT_MIN_DRAFT_PROB = 0.3
+DRAFT_PRECISIONS = ("int8", "float32")  # the drafter's own weights and activations on a CPU (see __init__)
+DEFAULT_DRAFT_PRECISION = "int8"
 # the target's architecture fields an adapter must match to run on it
 ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
@@ -107,7 +109,7 @@ class ExitAdapter(nn.Module):
         self.layer_index = layer_index
         self.feature_input = feature_input
         # [f_{p-1}, embed(x_p)] -> H; replicated under tensor parallelism (0.66M parameters on SmolLM2)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False) if feature_input else None
+        self.fc = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size) if feature_input else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -336,7 +338,7 @@ class SelfSpecProposer(ShadowCacheProposer):
     name = "self_spec"
 
     def __init__(self, engine, adapter: ExitAdapter, min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB,
-                 vocab_subset: torch.Tensor | None = None) -> None:
+                 vocab_subset: torch.Tensor | None = None, draft_precision: str = DEFAULT_DRAFT_PRECISION) -> None:
         self.engine = engine
         self.model: LlamaForCausalLM = engine.model
         self.adapter = adapter
@@ -367,10 +369,20 @@ class SelfSpecProposer(ShadowCacheProposer):
         self._head_subset_packed: torch.Tensor | None = None
         if self.vocab_subset is not None:
             self._head_subset = self.model.lm_head.get_weight().index_select(0, self.vocab_subset)
-        # the adapter layer and a subset head through the engine's few-row kernel, as the target's own layers:
-        # unpacked, the adapter alone read 14 MB of float32 weights per draft step through torch's ops
-        if engine.pack_linears(adapter) and self._head_subset is not None:
-            self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset)
+        # the adapter and a subset head through the engine's few-row kernel, as the target's own layers: unpacked,
+        # the adapter alone read 14 MB of float32 weights per draft step through torch's ops. "int8" (default on
+        # a CPU): Q8_0 weights and int8 activations, a quarter of the bytes on VNNI (small_gemm.
+        # enable_int8_drafting); the target verifies every token, so precision moves acceptance, not output
+        if draft_precision not in DRAFT_PRECISIONS:
+            raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {draft_precision!r}")
+        ecfg = engine.config
+        int8 = draft_precision == "int8" and ecfg.linear_kernel != "torch" and self.device.type == "cpu" \
+            and ecfg.torch_dtype == torch.float32
+        packed = small_gemm.enable_int8_drafting(adapter) if int8 else engine.pack_linears(adapter)
+        if packed and self._head_subset is not None:
+            self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset,
+                                                            int8_activations=int8)
+        self.draft_precision = "int8" if int8 else "float32"
         # counters (see the module docstring)
         self.num_shared_tokens = 0
         self.num_shared_calls = 0
@@ -416,11 +428,16 @@ class SelfSpecProposer(ShadowCacheProposer):
             if ranked is None:
                 raise ValueError(f"draft_vocab={draft_vocab} needs a ranked vocabulary, and {path} has none")
             subset = ranked[:draft_vocab]
-        if adapter.feature_input:  # an EAGLE-style draft: it reads the target's features (spec/feature_draft.py)
-            from leapdecode.spec.feature_draft import FeatureDraftProposer
+        from leapdecode.spec.feature_draft import TREE_KEYS, FeatureDraftProposer
 
+        if adapter.feature_input:  # an EAGLE-style draft: it reads the target's features (spec/feature_draft.py)
             cls = FeatureDraftProposer
-        prop = cls(engine, adapter, float(min_p), subset)
+        prop = cls(engine, adapter, float(min_p), subset, extra.get("draft_precision", DEFAULT_DRAFT_PRECISION))
+        tree_keys = sorted(k for k in extra if k in TREE_KEYS)
+        if tree_keys and cfg.method in ("self_spec", "draft_model"):
+            raise ValueError(f"{', '.join(tree_keys)}: a dynamic draft tree needs the eagle method")
+        if cfg.method == "eagle":  # not under auto (Medusa owns tree_nodes there); a hybrid trunk gets no tree_ keys
+            prop.configure_tree(extra)  # type: ignore[attr-defined]
         val = acfg.get("validation") or {}
         # drafting stops below min_draft_prob, so a drafted token's acceptance is the agreement where the draft is
         # that confident (valid when the threshold is the one the artefact was validated at)
@@ -497,12 +514,19 @@ class SelfSpecProposer(ShadowCacheProposer):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-width float logits; with a vocabulary subset only its rows of the LM head are scored and the
         rest are -inf (never drafted)."""
-        if self._head_subset is None:
-            return self.model.compute_logits(hidden).float()
-        sub = small_gemm.linear(hidden, self._head_subset, None, self._head_subset_packed).float()
+        sub, ids = self._subset_logits(hidden)
+        if ids is None:
+            return sub
         out = sub.new_full((hidden.shape[0], self.model.config.vocab_size), float("-inf"))
-        out[:, self.vocab_subset] = sub
+        out[:, ids] = sub
         return out
+
+    def _subset_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float logits over the vocabulary subset and the token ids of its columns (None: the full vocabulary,
+        ids = columns). Softmax and top-k over these skip the 49k-wide scatter of ``_logits``."""
+        if self._head_subset is None:
+            return self.model.compute_logits(hidden).float(), None
+        return small_gemm.linear(hidden, self._head_subset, None, self._head_subset_packed).float(), self.vocab_subset
 
     def _recompute_shared(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Fallback: h_L for committed positions [start, end) by running layers [0, L); attention reads the
