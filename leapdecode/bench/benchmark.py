@@ -30,6 +30,7 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "draft_model": {"method": "draft_model"},
     "self_spec": {"method": "self_spec"},
     "eagle": {"method": "eagle"},
+    "eagle_tree": {"method": "eagle", "tree_nodes": 4},  # the dynamic draft tree (spec/feature_draft.py)
     "medusa": {"method": "medusa"},
     "hybrid": {"method": "hybrid"},
     "blockwise": {"method": "blockwise"},
