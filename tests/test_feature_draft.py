@@ -273,7 +273,6 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
 
 
-# beam 4 = 2 x 2: every node of the first two depths is expanded, so the tree holds all top-2 paths of depth 3
 def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     """By default a drafter's own projections (fc, its layer, the subset head) run as Q8_0 weights with int8
     activations: every packed record is the int8-activation layout and each weight equals its Q8_0
@@ -300,6 +299,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
         _spec(plain1, near_exact["exact"], draft_precision="int4")
 
 
+# beam 4 = 2 x 2: every node of the first two depths is expanded, so the tree holds all top-2 paths of depth 3
 TREE = {"tree_nodes": 64, "tree_topk": 2, "tree_beam": 4, "tree_depth": 3, "tree_min_prob": 0.0,
         "draft_precision": "float32"}
 
@@ -349,8 +349,14 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
     assert_no_leaks(rough)
 
 
-def test_dynamic_tree_config_errors(plain1, near_exact):
+def test_dynamic_tree_config_errors_and_hybrid_trunk(plain1, near_exact, tmp_path):
+    """Bad tree keys are errors, tree keys on a drafter without trees too; a hybrid's eagle trunk stays a chain
+    (the hybrid builds its own tree)."""
     base = {"model": str(near_exact["rough"])}
+    hyb = LLM.from_engine_of(plain1, speculative_config={"method": "hybrid", "trunk": "eagle", **base,
+                                                         "heads": str(_heads(tmp_path)), "tree_nodes": 4})
+    assert isinstance(hyb.engine.speculator.proposer.chain, FeatureDraftProposer)
+    assert hyb.engine.speculator.proposer.chain.tree_nodes == 0
     with pytest.raises(ValueError, match="tree_beam must be an integer >= 1"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_nodes": 4, "tree_beam": 0})
     with pytest.raises(ValueError, match="tree_min_prob"):

@@ -169,14 +169,14 @@ def test_min_draft_prob_stops_drafting_early(adapters, plain4, want):
     probe = _spec_llm(plain4, adapters["rough"])
     prop = probe.engine.speculator.proposer
     tops: list[float] = []
-    logits_fn = prop._logits
+    logits_fn = prop._subset_logits
 
     def recording(h):
         out = logits_fn(h)
-        tops.extend(torch.softmax(out, dim=-1).max(dim=-1).values.tolist())
+        tops.extend(torch.softmax(out[0], dim=-1).max(dim=-1).values.tolist())
         return out
 
-    prop._logits = recording
+    prop._subset_logits = recording
     probe.generate(PROMPTS, GREEDY, use_tqdm=False)
     some = _spec_llm(plain4, adapters["rough"], min_draft_prob=sorted(tops)[len(tops) // 2])
     outs = some.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -77,6 +77,21 @@ class _Tree:
     cached: list[int] = field(default_factory=list)  # expanded nodes, in the order of their draft-cache rows
     feats: dict[int, torch.Tensor] = field(default_factory=dict)  # expanded node -> its output feature
 
+    def add_children(self, node: int, probs: list[float], tokens: list[int], min_score: float) -> list[int]:
+        """Children of ``node`` (-1: the root) from its draft's top-k, best first, while their cumulative score
+        (the parent's times their probability) stays at least ``min_score``; returns their indices."""
+        base, depth = (1.0, 1) if node < 0 else (self.scores[node], self.depths[node] + 1)
+        new = []
+        for pr, tok in zip(probs, tokens):
+            if base * pr < min_score:
+                break
+            new.append(len(self.tokens))
+            self.tokens.append(int(tok))
+            self.parents.append(node)
+            self.depths.append(depth)
+            self.scores.append(base * pr)
+        return new
+
 
 class FeatureDraftProposer(SelfSpecProposer):
     """Drafts with a feature-conditioned ExitAdapter over the target's captured top-layer features (module
@@ -157,7 +172,7 @@ class FeatureDraftProposer(SelfSpecProposer):
         active = plans
         while active:
             feats = self._adapter_pass(items, h_in)  # f^ at each sequence's newest position
-            keep, toks = self._draft_step(active, items, self._logits(feats), props, probs_rows)
+            keep, toks = self._draft_step(active, items, self._subset_logits(feats), props, probs_rows)
             active = [active[j] for j in keep]
             if active:  # each chain's next input: its own feature and the token it just drafted
                 items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
@@ -190,15 +205,7 @@ class FeatureDraftProposer(SelfSpecProposer):
                 new = []
                 for node in nodes:
                     t.feats[node] = feats[row]
-                    base = 1.0 if node < 0 else t.scores[node]
-                    for pr, tok in zip(top_p[row], top_t[row]):
-                        if base * pr < self.tree_min_prob:
-                            break  # children come best first
-                        new.append(len(t.tokens))
-                        t.tokens.append(int(tok))
-                        t.parents.append(node)
-                        t.depths.append(depth)
-                        t.scores.append(base * pr)
+                    new += t.add_children(node, top_p[row], top_t[row], self.tree_min_prob)
                     row += 1
                 room = t.plan.budget - 1 - len(t.cached)  # draft-cache rows left for expanded nodes
                 if not new or room <= 0 or depth >= min(self.tree_depth, budgets[t.plan.index]):
@@ -284,6 +291,6 @@ class FeatureDraftProposer(SelfSpecProposer):
             with abm.borrowed(ctx + n) as table:
                 h = self._fused(self.h_pool.new_zeros(n, self.h_pool.shape[1]), [0] * n)
                 out = self._adapter_pass([ForwardItem(table, ctx, [0] * n, list(range(n)))], h)
-                torch.softmax(self._logits(out), dim=-1).max(dim=-1)
+                torch.softmax(self._subset_logits(out)[0], dim=-1).max(dim=-1)
         finally:
             self.num_adapter_tokens = count

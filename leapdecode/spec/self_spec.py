@@ -382,7 +382,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         if packed and self._head_subset is not None:
             self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset,
                                                             int8_activations=int8)
-        self.draft_precision = "int8" if int8 else "float32"
+        self.draft_precision = "int8" if int8 and packed else "float32"  # (no kernel: the weights stay float)
         # counters (see the module docstring)
         self.num_shared_tokens = 0
         self.num_shared_calls = 0
@@ -401,8 +401,9 @@ class SelfSpecProposer(ShadowCacheProposer):
         "model" names a draft model), the shipped one of ``kind`` (``shipped_dir``): the exit adapter, the small draft
         (an adapter with no shared layers, ``draft_model``) or the feature-conditioned draft (``eagle``). A
         ``draft_model`` folder may hold either kind of draft; ``eagle`` must be a feature draft. Extra keys:
-        ``min_draft_prob`` (stop drafting below this top probability) and ``draft_vocab`` (score only the N most
-        frequent tokens of the artefact's ranked vocabulary; 0 = the full LM head)."""
+        ``min_draft_prob`` (stop drafting below this top probability), ``draft_vocab`` (score only the N most
+        frequent tokens of the artefact's ranked vocabulary; 0 = the full LM head), ``draft_precision`` ("int8"
+        or "float32", see ``__init__``) and, for ``eagle`` only, the dynamic-tree keys (spec/feature_draft.py)."""
         user_path = None if shipped_only else cfg.model
         folder, command = shipped_dir(kind), TRAIN_COMMANDS[kind]
         path = user_path or shipped_adapter_path(folder)
@@ -511,22 +512,22 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.num_adapter_tokens += int(h.shape[0])
         return out.index_select(0, rows)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-width float logits; with a vocabulary subset only its rows of the LM head are scored and the
-        rest are -inf (never drafted)."""
-        sub, ids = self._subset_logits(hidden)
-        if ids is None:
-            return sub
-        out = sub.new_full((hidden.shape[0], self.model.config.vocab_size), float("-inf"))
-        out[:, ids] = sub
-        return out
-
     def _subset_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float logits over the vocabulary subset and the token ids of its columns (None: the full vocabulary,
-        ids = columns). Softmax and top-k over these skip the 49k-wide scatter of ``_logits``."""
+        ids = columns). Only the subset's rows of the LM head are scored; the other tokens are never drafted, and
+        softmax, max and top-k over these columns equal those over a full width with -inf elsewhere."""
         if self._head_subset is None:
             return self.model.compute_logits(hidden).float(), None
         return small_gemm.linear(hidden, self._head_subset, None, self._head_subset_packed).float(), self.vocab_subset
+
+    def _full_width(self, sub: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """Subset logits scattered into the whole vocabulary (-inf elsewhere): a sampled draft's distribution,
+        which rejection sampling compares with the target's over every token."""
+        if ids is None:
+            return sub
+        out = sub.new_full((sub.shape[0], self.model.config.vocab_size), float("-inf"))
+        out[:, ids] = sub
+        return out
 
     def _recompute_shared(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Fallback: h_L for committed positions [start, end) by running layers [0, L); attention reads the
@@ -602,30 +603,33 @@ class SelfSpecProposer(ShadowCacheProposer):
                 adapter_items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0])
                                  for p in active]
                 h_in = h_new
-            logits = self._logits(self._adapter_pass(adapter_items, h_in))
+            logits = self._subset_logits(self._adapter_pass(adapter_items, h_in))
             keep, feed = self._draft_step(active, adapter_items, logits, props, probs_rows)
             active = [active[j] for j in keep]
             step += 1
         return _with_probs(props, probs_rows)
 
-    def _draft_step(self, active: list[_Plan], items: list[ForwardItem], logits: torch.Tensor,
-                    props: list[Proposal], probs_rows: dict[int, list[torch.Tensor]]) -> tuple[list[int], list[int]]:
-        """One draft position for every active chain (``logits`` row j is chain j's): its adapter cache now
-        covers ``items``; a chain whose top probability is below ``min_draft_prob`` stops, the others draft their
-        argmax (or sample it, keeping the distribution for rejection sampling). Returns the indices into ``active``
-        of the chains that go on and the tokens they drafted."""
-        top = torch.softmax(logits, dim=-1).max(dim=-1).values.tolist()
+    def _draft_step(self, active: list[_Plan], items: list[ForwardItem],
+                    logits: tuple[torch.Tensor, torch.Tensor | None], props: list[Proposal],
+                    probs_rows: dict[int, list[torch.Tensor]]) -> tuple[list[int], list[int]]:
+        """One draft position for every active chain (row j of the ``_subset_logits`` pair is chain j's): its
+        adapter cache now covers ``items``; a chain whose top probability is below ``min_draft_prob`` stops, the
+        others draft their argmax (or sample it, keeping the distribution for rejection sampling). Returns the
+        indices into ``active`` of the chains that go on and the tokens they drafted."""
+        sub, ids = logits
+        best = torch.softmax(sub, dim=-1).max(dim=-1)
+        top = best.values.tolist()
+        argmax = (best.indices if ids is None else ids[best.indices]).tolist()
         keep, toks = [], []
         for j, (p, it) in enumerate(zip(active, items)):
             p.shadow.num_computed_tokens = it.start + len(it.tokens)
             seq = p.seq
             if top[j] < self.min_draft_prob:
                 continue  # not confident enough: stop this chain here
-            row = logits[j : j + 1]
             if seq.params.greedy or self.argmax_drafts:
-                tok = int(row.argmax(dim=-1))
+                tok = argmax[j]
             else:
-                q = processed_probs(row, [seq.params])[0]
+                q = processed_probs(self._full_width(sub[j : j + 1], ids), [seq.params])[0]
                 tok = sample_from(q, seq.generator or self.engine.generator)
                 probs_rows[p.index].append(q)
             props[p.index].tokens.append(tok)
@@ -651,6 +655,6 @@ class SelfSpecProposer(ShadowCacheProposer):
             with bm.borrowed(ctx + n) as target_table, abm.borrowed(ctx + n) as adapter_table:
                 h = self._shared([ForwardItem(target_table, ctx, [0] * n, [])])
                 out = self._adapter_pass([ForwardItem(adapter_table, ctx, [0] * n, list(range(n)))], h)
-                torch.softmax(self._logits(out), dim=-1).max(dim=-1)
+                torch.softmax(self._subset_logits(out)[0], dim=-1).max(dim=-1)
         finally:
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
