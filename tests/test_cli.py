@@ -74,6 +74,11 @@ def test_distill_data_refuses_mt_bench_and_resumes(tiny_model_dir, tmp_path):
     lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in lines) == ["x0", "x1", "x2", "x3"]
     assert json.loads((out / "manifest.json").read_text())["num_prompts"] == 4
+    assert main([*args, "--sampled", "--temperature", "0.8"]) == 0  # the greedy answers stay, sampled ones join
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted(r["mode"] for r in lines) == ["greedy"] * 4 + ["sampled"] * 4
+    command = json.loads((out / "manifest.json").read_text())["command"]
+    assert "--sampled --temperature 0.8" in command and "True" not in command  # a flag is written as a flag
 
 
 def test_parser_lists_all_commands():

@@ -79,7 +79,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         total["prompt_tokens"] += len(r["prompt_token_ids"])
     manifest = {
         "command": "leapdecode train distill-data " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
             if k not in ("func", "train_func", "command", "train_command") and v not in (None, False)),
         "model": str(llm.engine.model_path), "prompts": str(prompts_path), "num_prompts": len(recs),
         "modes": [m for m, _ in modes], "max_tokens": args.max_tokens, "seed": args.seed,
