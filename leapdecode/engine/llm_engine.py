@@ -75,10 +75,11 @@ class LLMEngine:
 
             self.speculator = Speculator(self, config.speculative_config)
 
-    def pack_linears(self, model, linear_kernel: str | None = None) -> int:
+    def pack_linears(self, model, linear_kernel: str | None = None, quantize_q8: bool = False) -> int:
         """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
-        it (layers/small_gemm.py): ``linear_kernel`` (default: this engine's setting) picks the format. Returns
-        how many layers use it."""
+        it (layers/small_gemm.py): ``linear_kernel`` (default: this engine's setting) picks the format;
+        ``quantize_q8`` (a trained drafter's own float layers) quantizes them to Q8_0 with int8 activations
+        instead (``small_gemm.enable_int8_drafting``). Returns how many layers use it."""
         cfg = self.config
         kernel = linear_kernel or cfg.linear_kernel
         if kernel == "torch" or self.device.type != "cpu" or cfg.torch_dtype != torch.float32:
@@ -87,6 +88,8 @@ class LLMEngine:
             return 0
         from leapdecode.layers import small_gemm
 
+        if quantize_q8:
+            return small_gemm.enable_int8_drafting(model)
         return small_gemm.enable(
             model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
             int8_activations=kernel == "packed-int8act",

@@ -256,11 +256,11 @@ class FeatureDraftProposer(SelfSpecProposer):
         n = min(self.tree_nodes, room)
         prior = expected_tokens(self.acceptance_prior(), self.tree_depth)
         est = seq.spec_state.setdefault("eagle_tree_tokens", prior)
-        if cost is not None and n > 0:
-            rate = (batch - 1 + est) / (cost(batch + n) + self.step_cost(batch, n))
-            if rate <= 1.02 * batch / cost(batch):
-                seq.spec_state["eagle_tree_tokens"] = est + 0.05 * (prior - est)
-                return 0, 1.0
+        # the engine's rule for whether drafting pays, asked for one size: the whole n-node tree or nothing
+        if cost is not None and n > 0 and cost.best_gamma(est, 1, batch, batch, lambda g: self.step_cost(batch, n),
+                                                          rows=lambda g: n, expected=lambda a, g: a) == 0:
+            seq.spec_state["eagle_tree_tokens"] = est + 0.05 * (prior - est)
+            return 0, 1.0
         return n, est
 
     def step_cost(self, num_seqs: int, num_tokens: int) -> float:

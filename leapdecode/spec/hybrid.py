@@ -104,7 +104,9 @@ class HybridProposer(Proposer):
         elif trunk == "draft_model":
             chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
         else:  # self_spec or eagle: "model", if given, names that drafter's folder; the trunk is a chain
-            trunk_ex = {k: v for k, v in ex.items() if not k.startswith("tree_")}
+            from leapdecode.spec.feature_draft import TREE_KEYS
+
+            trunk_ex = {k: v for k, v in ex.items() if k not in TREE_KEYS}
             chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method=trunk, extra=trunk_ex), engine,
                                                  kind=trunk)
         chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)

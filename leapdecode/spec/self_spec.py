@@ -375,14 +375,13 @@ class SelfSpecProposer(ShadowCacheProposer):
         # enable_int8_drafting); the target verifies every token, so precision moves acceptance, not output
         if draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {draft_precision!r}")
-        ecfg = engine.config
-        int8 = draft_precision == "int8" and ecfg.linear_kernel != "torch" and self.device.type == "cpu" \
-            and ecfg.torch_dtype == torch.float32
-        packed = small_gemm.enable_int8_drafting(adapter) if int8 else engine.pack_linears(adapter)
+        packed = engine.pack_linears(adapter, quantize_q8=draft_precision == "int8")
+        # int8 only where the engine packs at all (a CPU float32 model with the kernel); else the weights stay float
+        int8 = bool(getattr(adapter, "int8_activations", False))
         if packed and self._head_subset is not None:
             self._head_subset_packed = small_gemm.pack_rows(self.model.lm_head, self.vocab_subset, self._head_subset,
                                                             int8_activations=int8)
-        self.draft_precision = "int8" if int8 and packed else "float32"  # (no kernel: the weights stay float)
+        self.draft_precision = "int8" if int8 else "float32"
         # counters (see the module docstring)
         self.num_shared_tokens = 0
         self.num_shared_calls = 0
