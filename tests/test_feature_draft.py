@@ -278,6 +278,8 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     activations: every packed record is the int8-activation layout and each weight equals its Q8_0
     dequantization. The exact draft is then only nearly exact (acceptance drops a little), and the output is
     still plain decoding's; "float32" keeps float panels; anything else is an error."""
+    if small_gemm.int8_activation_isa() in (None, "portable"):
+        pytest.skip("no fast int8 kernel on this CPU (AVX2 or AVX-512 VNNI): drafting stays float32 (next test)")
     want = _tokens(plain1, PROMPTS, GREEDY)
     spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
                                                           "use_cost_model": False, "min_draft_prob": 0.0},
@@ -297,6 +299,20 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
                if getattr(m, "packed", None) is not None)
     with pytest.raises(ValueError, match="draft_precision must be one of"):
         _spec(plain1, near_exact["exact"], draft_precision="int4")
+
+
+def test_int8_drafting_falls_back_to_float32_without_a_fast_int8_kernel(plain1, near_exact, monkeypatch):
+    """Without AVX2 the int8 kernel is a scalar reference loop, slower than float32: the default then drafts
+    with float32 panels and says so, and the output is plain decoding's."""
+    monkeypatch.setattr(small_gemm, "int8_activation_isa", lambda: "portable")
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
+                                                          "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=256)
+    prop = spec.engine.speculator.proposer
+    assert prop.draft_precision == "float32"
+    linears = [m for m in prop.adapter.modules() if hasattr(m, "packed")]
+    assert len(linears) == 5 and all(m.packed.dtype == torch.float32 and m.packed.dim() == 3 for m in linears)
+    assert _tokens(spec, PROMPTS, GREEDY) == _tokens(plain1, PROMPTS, GREEDY)
 
 
 # beam 4 = 2 x 2: every node of the first two depths is expanded, so the tree holds all top-2 paths of depth 3

@@ -79,7 +79,8 @@ class LLMEngine:
         """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
         it (layers/small_gemm.py): ``linear_kernel`` (default: this engine's setting) picks the format;
         ``quantize_q8`` (a trained drafter's own float layers) quantizes them to Q8_0 with int8 activations
-        instead (``small_gemm.enable_int8_drafting``). Returns how many layers use it."""
+        instead (``small_gemm.enable_int8_drafting``) where this CPU has a fast int8 kernel, float32 panels
+        elsewhere. Returns how many layers use it."""
         cfg = self.config
         kernel = linear_kernel or cfg.linear_kernel
         if kernel == "torch" or self.device.type != "cpu" or cfg.torch_dtype != torch.float32:
@@ -89,7 +90,10 @@ class LLMEngine:
         from leapdecode.layers import small_gemm
 
         if quantize_q8:
-            return small_gemm.enable_int8_drafting(model)
+            n = small_gemm.enable_int8_drafting(model)
+            if n:
+                return n
+            # no fast int8 kernel on this CPU (0 layers packed): float32 panels, as draft_precision "float32"
         return small_gemm.enable(
             model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
             int8_activations=kernel == "packed-int8act",

@@ -2,8 +2,8 @@
 //
 // W is pre-packed into panels of 16 output features, [N/16][K][16]: one panel is one contiguous stream and each
 // 64-byte row of it (16 outputs at one k) is one cache line. For each panel the kernel walks the rows of x in
-// chunks of up to 8, keeping a chunk's 8 x 16 partial sums in vector registers (two sets, for even and odd k, to
-// halve the FMA dependency chains). The panel (36 KB at K = 576) comes from memory once and stays in L1/L2 for
+// chunks of up to 8 (AVX-512) or 4 (AVX2, one 8-output half of the panel at a time), keeping a chunk's partial
+// sums in vector registers (two sets, for even and odd k, to halve the FMA dependency chains). The panel (36 KB at K = 576) comes from memory once and stays in L1/L2 for
 // the later chunks, so the call stays bound by weight bandwidth well past M = 8, where a general small-M GEMM
 // costs 2-2.5x a vector-matrix product on the CPUs we measured.
 //
@@ -17,6 +17,9 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel stream
@@ -26,6 +29,15 @@ constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel str
 #ifndef PREFETCH_RECORDS
 #define PREFETCH_RECORDS 8
 #endif
+// rows per chunk: 8 x 16 partial sums (x2 for even / odd k) fill half of AVX-512's 32 registers; AVX2 has 16
+// registers of half the width, so its kernels (below) take 4 rows over one 8-output half of a panel at a time
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define HALF_PANELS 1
+constexpr int ROW_CHUNK = 4;
+#else
+constexpr int ROW_CHUNK = 8;
+#endif
+constexpr int64_t Q4_RECORD = 384, Q8_RECORD = 576;  // bytes per block record (layouts below)
 
 // The one accumulation every kernel here uses (even and odd k in separate sums, added at the end): sharing it is
 // what keeps the block-format kernels bit-identical to the float32 one.
@@ -61,25 +73,104 @@ static inline void rows_x_panel(const float* __restrict x, const float* __restri
   store_rows<R>(acc0, acc1, y, N);
 }
 
-// f(std::integral_constant<int, R>{}) for R = rows (1..7), or 8 for 8 and more: the kernels' row count is a
-// template parameter so that a chunk's partial sums live in registers
-template <class F>
+// f(std::integral_constant<int, R>{}) for R = rows (1 .. ROW_CHUNK - 1), or ROW_CHUNK for more: the kernels' row
+// count is a template parameter so that a chunk's partial sums live in registers
+template <int R = 1, class F>
 static inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+  if constexpr (R < ROW_CHUNK) {
+    if (rows <= R) return f(std::integral_constant<int, R>{});
+    return with_rows<R + 1>(rows, f);
+  } else {
+    f(std::integral_constant<int, R>{});
   }
 }
 
 static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float* y, int64_t K, int64_t N) {
   with_rows(rows, [&](auto R) { rows_x_panel<R.value>(x, w, y, K, N); });
 }
+
+#ifdef HALF_PANELS
+// AVX2 (16 registers of 8 floats). The v16f code below kept 8 rows x 16 outputs x 2 sums, which spilled to the
+// stack here: a 1-row Q4 call ran at 2.7 GB/s and its cost grew linearly with rows. These kernels take one 8-output
+// half of a panel at a time (the second pass finds the panel in L1/L2). Per lane: w * x fused into the even or
+// odd sum in k order, the two added at the end. The FMA is explicit because the compiler's own contraction of a
+// multiply and an add differed between instantiations, which broke the float32 / block-kernel identity.
+
+// One panel's weights, visited as f(k, w0, w1) for each input pair (k, k + 1) of inputs k0 .. k0+31, outputs
+// 8h .. 8h+7: read from a float32 panel, or rebuilt from Q4/Q8 records exactly as dequant_pair does
+struct FloatPanel {
+  const float* w;
+  int64_t K;
+  template <class F>
+  void operator()(int64_t k0, int h, F&& f) const {
+    for (int64_t k = k0; k < std::min<int64_t>(k0 + 32, K); k += 2) {
+      if (h == 0) {
+        __builtin_prefetch(w + (k + PREFETCH) * 16);
+        __builtin_prefetch(w + (k + PREFETCH + 1) * 16);
+      }
+      f(k, _mm256_loadu_ps(w + k * 16 + 8 * h), _mm256_loadu_ps(w + (k + 1) * 16 + 8 * h));
+    }
+  }
+};
+
+template <bool Q4>
+struct BlockPanel {
+  const uint8_t* records;
+  template <class F>
+  void operator()(int64_t k0, int h, F&& f) const {
+    constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
+    const uint8_t* rec = records + (k0 / 32) * REC;
+    if (h == 0)
+      for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
+    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8 * h);
+    const __m256 m = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      __m256 w0, w1;
+      if (Q4) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + i * 16 + 8 * h));
+        const __m256i b = _mm256_cvtepu8_epi32(q);
+        w0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), d), m);
+        w1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d), m);
+      } else {
+        const uint8_t* q = rec + 64 + i * 32 + 8 * h;
+        const __m128i q0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+        const __m128i q1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16));
+        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
+        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
+      }
+      f(k0 + 2 * i, w0, w1);
+    }
+  }
+};
+
+template <int R>
+static inline void fma_rows(__m256* a0, __m256* a1, __m256 w0, __m256 w1, const float* x, int64_t K, int64_t k) {
+  for (int r = 0; r < R; ++r) {
+    a0[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * K + k), a0[r]);
+    a1[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * K + k + 1), a1[r]);
+  }
+}
+
+// y [M, the panel's 16 outputs] = x @ W^T, ROW_CHUNK rows at a time with their sums in registers for the whole
+// panel; each chunk rebuilds the block weights again, which still beat rebuilding a block once into an L1 buffer
+// and streaming the chunks' sums through memory (1.7x at 8 rows, 1.4x at 32, measured here)
+template <int R, class Panel>
+static inline void rows_x_half_panels(const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 32)
+      panel(k0, h, [&](int64_t k, __m256 w0, __m256 w1) { fma_rows<R>(a0, a1, w0, w1, x, K, k); });
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + 8 * h, _mm256_add_ps(a0[r], a1[r]));
+  }
+}
+
+template <class Panel>
+static void panel_rows(int64_t M, const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
+  for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK)
+    with_rows(M - r0, [&](auto R) { rows_x_half_panels<R.value>(panel, x + r0 * K, y + r0 * N, K, N); });
+}
+#endif
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -98,8 +189,12 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* w = wp + p * K * 16;
-      for (int64_t r0 = 0; r0 < M; r0 += 8)
-        rows_x_panel_any(std::min<int64_t>(8, M - r0), xp + r0 * K, w, yp + r0 * N + p * 16, K, N);
+#ifdef HALF_PANELS
+      panel_rows(M, FloatPanel{w, K}, xp, yp + p * 16, K, N);
+#else
+      for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK)
+        rows_x_panel_any(std::min<int64_t>(ROW_CHUNK, M - r0), xp + r0 * K, w, yp + r0 * N + p * 16, K, N);
+#endif
     }
   });
   return y;
@@ -161,7 +256,6 @@ static inline v16f int8s_to_floats(const uint8_t* p) {
   return v;
 }
 #endif
-constexpr int64_t Q4_RECORD = 384, Q8_RECORD = 576;
 
 // The 32 x 16 float32 weights of one record, w0 = inputs k0 + 2i, w1 = k0 + 2i + 1 for the 16 outputs.
 template <bool Q4>
@@ -194,6 +288,7 @@ static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
   }
 }
 
+#ifndef HALF_PANELS
 template <int R, bool Q4>
 static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
                                  int64_t K, int64_t N) {
@@ -202,11 +297,14 @@ static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __res
   for_each_pair<Q4>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
   store_rows<R>(acc0, acc1, y, N);
 }
+#endif
 
+#ifndef HALF_PANELS
 template <bool Q4>
 static void rows_x_qpanel_any(int64_t rows, const float* x, const uint8_t* rec, float* y, int64_t K, int64_t N) {
   with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, Q4>(x, rec, y, K, N); });
 }
+#endif
 
 template <bool Q4>
 static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
@@ -225,7 +323,10 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   float* yp = y.data_ptr<float>();
   const int64_t panel_bytes = (K / 32) * REC;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
-    if (M <= 8) {  // rebuild each weight in registers, use it for every row
+#ifdef HALF_PANELS
+    for (int64_t p = begin; p < end; ++p) panel_rows(M, BlockPanel<Q4>{wp + p * panel_bytes}, xp, yp + p * 16, K, N);
+#else
+    if (M <= ROW_CHUNK) {  // rebuild each weight in registers, use it for every row
       for (int64_t p = begin; p < end; ++p)
         rows_x_qpanel_any<Q4>(M, xp, wp + p * panel_bytes, yp + p * 16, K, N);
       return;
@@ -238,9 +339,11 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
         __builtin_memcpy(panel.data() + k * 16, &w0, 64);
         __builtin_memcpy(panel.data() + (k + 1) * 16, &w1, 64);
       });
-      for (int64_t r0 = 0; r0 < M; r0 += 8)
-        rows_x_panel_any(std::min<int64_t>(8, M - r0), xp + r0 * K, panel.data(), yp + r0 * N + p * 16, K, N);
+      for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK)
+        rows_x_panel_any(std::min<int64_t>(ROW_CHUNK, M - r0), xp + r0 * K, panel.data(), yp + r0 * N + p * 16, K,
+                         N);
     }
+#endif
   });
   return y;
 }
@@ -350,7 +453,78 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
-constexpr bool A8_VNNI = true;
+constexpr const char* A8_ISA = "avx512-vnni";
+#elif defined(__AVX2__)
+// AVX2 (no VNNI: AMD Zen 1-3, most client x86): vpmaddubsw + vpmaddwd make the same 4-product integer sums per
+// 32-bit lane as vpdpbusd, over 8 outputs per 256-bit half of a line. vpmaddubsw saturates pairs at int16, which
+// Q4 codes (<= 15 x 127 x 2) never reach but Q8's offset codes (<= 255 x 127 x 2) would: Q8 multiplies |q| by
+// x carrying q's sign instead (<= 128 x 127 x 2), the same integer sum(q * x) the offset form makes. The float
+// steps are the VNNI loop's, lane for lane, so results are bit-identical to it.
+template <int R, bool Q4>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+                                  float* __restrict y, int64_t K, int64_t N) {
+  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(-128);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  // one block's weights unpacked once for all rows: group v (inputs 4v .. 4v+3) of each output, per half line,
+  // as unsigned multipliers (and, for Q8, the signed codes whose signs go onto x)
+  alignas(32) uint8_t wu[8][2][32];
+  alignas(32) int8_t ws[8][2][32];
+  for (int64_t b = 0; b < nb; ++b, rec += REC) {
+    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
+    for (int h = 0; h < 2; ++h) {
+      if (Q4) {
+        for (int g = 0; g < 4; ++g) {  // line g: low nibbles are inputs 8g .. 8g+3, high nibbles 8g+4 .. 8g+7
+          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 64 * g + 32 * h));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g][h]), _mm256_and_si256(L, low4));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g + 1][h]),
+                             _mm256_and_si256(_mm256_srli_epi16(L, 4), low4));
+        }
+      } else {
+        for (int g = 0; g < 8; ++g) {  // line g: inputs 4g .. 4g+3, stored as q + 128
+          const __m256i q = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 + 64 * g + 32 * h)), bias);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(ws[g][h]), q);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wu[g][h]), _mm256_abs_epi8(q));
+        }
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
+    const __m256 d1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + b * 32;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v) {
+        int32_t word;
+        __builtin_memcpy(&word, xb + 4 * v, 4);
+        const __m256i xv = _mm256_set1_epi32(word);
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v][0]));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v][1]));
+        const __m256i x0 = Q4 ? xv : _mm256_sign_epi8(xv, _mm256_load_si256(reinterpret_cast<const __m256i*>(ws[v][0])));
+        const __m256i x1 = Q4 ? xv : _mm256_sign_epi8(xv, _mm256_load_si256(reinterpret_cast<const __m256i*>(ws[v][1])));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+      }
+      const int64_t i = (r0 + r) * nb + b;
+      const __m256 xd = _mm256_set1_ps(xr.d[i]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xd), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xd), acc[r][1]);
+      if (Q4) {
+        const __m256 xs = _mm256_set1_ps(xr.s[i]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)), xs, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8), xs, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * N, acc[r][0]);
+    _mm256_storeu_ps(y + r * N + 8, acc[r][1]);
+  }
+}
+constexpr const char* A8_ISA = "avx2";
 #else  // portable reference: the same integer sums and float steps, one lane at a time (slow, but exact)
 template <int R, bool Q4>
 static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
@@ -386,7 +560,7 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
     __builtin_memcpy(y + r * N, acc, 64);
   }
 }
-constexpr bool A8_VNNI = false;
+constexpr const char* A8_ISA = "portable";
 #endif
 
 template <bool Q4>
@@ -415,8 +589,8 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
   const int64_t panel_bytes = (K / 32) * packed.size(2) * 64;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t r0 = 0; r0 < M; r0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - r0);
+      for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - r0);
         if (q4) rows_x_a8panel_any<true>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
         else rows_x_a8panel_any<false>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
       }
@@ -424,7 +598,7 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
-bool a8_vnni() { return A8_VNNI; }
+std::string a8_isa() { return A8_ISA; }
 
 // y = x @ W^T through whichever packed format W has (float32 panels, Q4 or Q8 records)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
@@ -467,7 +641,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
   m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
   m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI)");
-  m.def("a8_vnni", &a8_vnni, "whether a8_linear was built with AVX-512 VNNI (else a slow portable loop)");
+  m.def("a8_isa", &a8_isa, "what a8_linear was built for: avx512-vnni, avx2, or portable (a slow scalar loop)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
   m.def("attention_rows_i8", &attention_rows_i8, "the same over an int8 cache (float16 scales per 16 channels)");

@@ -21,7 +21,8 @@ weight instead of 32. This is not a lossy option: the float32 model *is* the deq
 the blocks are checked to reproduce the layer's weight exactly (a weight changed after loading keeps float32).
 
 ``linear_kernel="packed-int8act"`` is the one lossy option (off by default): the same blocks re-laid for AVX-512
-VNNI (``BlockQuantized.pack_int8_activations``), each input row rounded to int8 per 32 values as llama.cpp does.
+VNNI or AVX2 (``BlockQuantized.pack_int8_activations``; ``int8_activation_isa`` says which was built), each input
+row rounded to int8 per 32 values as llama.cpp does.
 Those records serve every row count, prompts included, so the precision never depends on the batch and speculation
 stays token-identical to plain decoding at that precision.
 
@@ -252,6 +253,9 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
     unavailable). Idempotent."""
     if load_kernel(required) is None:
         return 0
+    if int8_activations and int8_activation_isa() == "portable":
+        warnings.warn("int8 activations on a CPU without AVX2 run a slow portable loop (exact, but several times "
+                      "slower than float32)", stacklevel=2)
     n = 0
     for mod in model.modules():
         if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (decode_ops.cpp)
@@ -313,13 +317,22 @@ def quantize_kv_rows(x: torch.Tensor, plane, slots: torch.Tensor) -> None:
                           plane.scale)  # fmt: skip
 
 
+def int8_activation_isa() -> str | None:
+    """What the int8-activation kernel was built for on this CPU: "avx512-vnni", "avx2" (the same integer sums
+    by vpmaddubsw, bit-identical), "portable" (a scalar reference loop, several times slower than float32), or
+    None without the kernel."""
+    ext = load_kernel()
+    return None if ext is None else ext.a8_isa()
+
+
 def enable_int8_drafting(module: torch.nn.Module) -> int:
     """A drafter's own projections (not the target's) as Q8_0 weights with int8 activations: each packable float
     weight is quantized to Q8_0 blocks and replaced by their dequantized values, so every code path computes the
-    same draft, then packed for the int8-activation kernel. A draft pass reads ~4x fewer bytes and runs on VNNI;
-    the target still verifies every token, so this changes acceptance only, never the output. Returns how many
-    layers were packed (0 when the kernel is unavailable)."""
-    if load_kernel() is None:
+    same draft, then packed for the int8-activation kernel. A draft pass reads ~4x fewer bytes and runs on VNNI or
+    AVX2; the target still verifies every token, so this changes acceptance only, never the output. Returns how
+    many layers were packed: 0 when the kernel is unavailable or only its slow portable loop was built (no AVX2),
+    where drafting stays float32 because int8 would make it slower."""
+    if int8_activation_isa() in (None, "portable"):
         return 0
     for mod in module.modules():
         w = getattr(mod, "weight", None)
