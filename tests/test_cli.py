@@ -97,3 +97,38 @@ def test_a_crashing_comparison_system_is_skipped_not_fatal(capsys):
     assert run_isolated(math.factorial, 5, what="factorial") == 120
     assert run_isolated(os.abort, what="llama.cpp") is None
     assert "llama.cpp crashed" in capsys.readouterr().err
+
+
+def test_ceiling_is_acceptance_over_the_targets_step_cost_at_the_verified_rows():
+    """--ceiling: a row's verified rows are 1 + its drafts per step, and its ceiling is mean accepted x t(1) /
+    t(rows) under the measured step costs; plain decoding's is 1.0, and batched rows get none."""
+    from leapdecode.bench.benchmark import Row, add_ceiling, format_table
+    from leapdecode.spec.dynamic_gamma import StepCostModel
+
+    costs = StepCostModel([(1, 0.010), (3, 0.012), (5, 0.016)])
+    plain = Row("leapdecode", "none", 1, 2, 100, 50.0, 1.0, 1.0)
+    spec = Row("leapdecode", "medusa", 1, 2, 100, 60.0, 1.0, 1.0, mean_accepted=2.0, num_draft_tokens=150)
+    batched = Row("leapdecode", "medusa", 2, 2, 100, 90.0, 1.0, 1.0, mean_accepted=2.0, num_draft_tokens=150)
+    add_ceiling([plain, spec, batched], costs)
+    assert plain.verified_rows == 1.0 and plain.ceiling == 1.0
+    assert spec.verified_rows == 4.0  # 50 steps, 150 drafts
+    assert spec.ceiling == pytest.approx(2.0 * 0.010 / 0.014)
+    assert batched.ceiling is None and batched.verified_rows is None
+    table = format_table([plain, spec, batched])
+    assert "| verified rows | ceiling (free drafting) |" in table and "| 4.00 | 1.43 |" in table
+
+
+def test_bench_ceiling_times_the_target_and_reports_it(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [f"Question {i}: say something."]}) for i in range(2)))
+    out = tmp_path / "res"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--num-prompts", "2",
+                 "--max-tokens", "6", "--methods", "none,ngram", "--no-batched", "--ceiling", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = [n for n, _ in data["step_costs_s"][""]]
+    assert rows[0] == 1 and rows[-1] >= 17  # the sizes a Medusa tree or a long chain verifies
+    times = [t for _, t in data["step_costs_s"][""]]
+    assert all(t > 0 for t in times) and times == sorted(times)
+    for r in data["rows"]:
+        assert r["verified_rows"] >= 1.0 and r["ceiling"] > 0
+    assert "ceiling (free drafting)" in out.with_suffix(".md").read_text()

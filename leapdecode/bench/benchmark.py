@@ -59,6 +59,12 @@ class Row:
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     num_lossy_tokens: int = 0
     kernel: str = ""  # the engine's linear_kernel when a run compares several (--linear-kernels); "" = the first
+    # --ceiling (batch-1 rows): tokens the target verifies per step (1 + drafts), and the speedup the row's
+    # acceptance would give if drafting and bookkeeping were free: mean accepted x t(1) / t(verified rows), with t
+    # the target's measured step time. A ceiling under a bar means no drafter of this acceptance reaches it here.
+    verified_rows: float | None = None
+    ceiling: float | None = None
+    num_draft_tokens: int = 0
 
 
 def machine_info() -> str:
@@ -164,7 +170,34 @@ def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, _median([o.metrics.ttft_s * 1e3 for o in outs]),
                tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
-               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs))
+               num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
+               num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs))
+
+
+CEILING_ROWS = (1, 2, 3, 4, 5, 9, 17, 33, 65)  # verified rows per step at which the target's step is timed
+
+
+def target_step_costs(llm, context: int, repeats: int = 9):
+    """The target's step time by verified rows at ``context`` cached tokens, measured as the engine's own cost
+    model measures it (``StepCostModel``: median of ``repeats``, made non-decreasing, piecewise linear)."""
+    from leapdecode.spec.dynamic_gamma import StepCostModel
+    from leapdecode.spec.speculator import Speculator
+
+    eng = llm.engine
+    return StepCostModel.calibrate(lambda n: Speculator._timed_step(eng.runner, eng.block_manager, n, context),
+                                   sizes=CEILING_ROWS, repeats=repeats)
+
+
+def add_ceiling(rows: list[Row], costs) -> None:
+    """Fill verified rows and the free-drafting ceiling of the batch-1 leapdecode rows run under ``costs``.
+    Rows per step are the mean over the row's steps; the cost curve is near-linear in rows here, so t(mean rows)
+    is close to the mean of t(rows) (exact for fixed-size drafts)."""
+    for r in rows:
+        if r.system != "leapdecode" or r.batch != 1:
+            continue
+        steps = r.output_tokens / r.mean_accepted
+        r.verified_rows = 1.0 + r.num_draft_tokens / steps if steps else 1.0
+        r.ceiling = r.mean_accepted * costs(1) / costs(r.verified_rows)
 
 
 def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
@@ -288,20 +321,28 @@ def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
             r.top1_share = 1.0 - r.num_lossy_tokens / max(1, r.output_tokens)
 
 
+def _cells(values: tuple[tuple[float | None, str], ...]) -> str:
+    return "".join(f" {'' if v is None else f'{v:{fmt}}'} |" for v, fmt in values)
+
+
 def format_table(rows: list[Row]) -> str:
     drift = any(r.ppl is not None for r in rows)
+    ceiling = any(r.ceiling is not None for r in rows)
+    extra = ((" verified rows | ceiling (free drafting) |" if ceiling else "")
+             + (" greedy agreement | top-1 share | ppl |" if drift else ""))
     head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
-            "| weight GB/s |" + (" greedy agreement | top-1 share | ppl |" if drift else ""))
-    lines = [head, "|" + "---|" * (13 if drift else 10)]
+            "| weight GB/s |" + extra)
+    lines = [head, "|" + "---|" * (10 + extra.count("|"))]
     for r in rows:
         line = (
             f"| {r.system} | {r.method} | {r.batch} | {r.tok_per_s:.1f} | {r.ttft_ms:.0f} | {r.tpot_ms:.1f} | "
             f"{r.mean_accepted:.2f} | {'' if r.speedup is None else f'{r.speedup:.2f}x'} | {r.identical} | "
             f"{'' if r.gb_per_s is None else f'{r.gb_per_s:.1f}'} |"
         )
+        if ceiling:
+            line += _cells(((r.verified_rows, ".2f"), (r.ceiling, ".2f")))
         if drift:
-            line += "".join(f" {'' if v is None else f'{v:{fmt}}'} |" for v, fmt in
-                            ((r.agreement, ".3f"), (r.top1_share, ".3f"), (r.ppl, ".3f")))
+            line += _cells(((r.agreement, ".3f"), (r.top1_share, ".3f"), (r.ppl, ".3f")))
         lines.append(line)
     return "\n".join(lines)
 
@@ -357,6 +398,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\n".join(header), flush=True)
     rows: list[Row] = []
     engines: list[tuple[str, str, object]] = []  # (label, kernel tag, LLM)
+    kernel_llms: dict[str, object] = {}  # kernel tag -> its plain engine
     for kernel in kernels:
         # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
         # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
@@ -365,6 +407,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if kbase is not base:
             kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
         tag = "" if kernel == kernels[0] else kernel
+        kernel_llms[tag] = kbase
         for m in methods:
             cfg = METHOD_DEFAULTS.get(m, {})
             if cfg is not None:
@@ -401,6 +444,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
     if args.drift or any(r.num_lossy_tokens for r in rows):  # every lossy run reports its drift
         add_drift(rows, eng, prompts_ids)
+    step_costs: dict[str, list[tuple[int, float]]] = {}
+    if args.ceiling:  # after the runs, so the caches and the allocator are as warm as they were for the rows
+        context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
+        for tag, kllm in kernel_llms.items():
+            costs = target_step_costs(kllm, context)
+            add_ceiling([r for r in rows if r.kernel == tag], costs)
+            step_costs[tag] = costs.points
+            print(f"target step time by verified rows{f' [{tag}]' if tag else ''} at {context} cached tokens: "
+                  + ", ".join(f"{n}: {t * 1e3:.2f} ms ({t / costs(1):.2f}x)" for n, t in costs.points), flush=True)
     table = format_table(rows)
     if args.prefix_reuse:
         table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
@@ -422,6 +474,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      "before the first differing token; top-1 share = share of emitted tokens that were the target's "
                      "top choice given the text before them; ppl = the target's perplexity of the produced "
                      "completions given their prompts (the `none` row is the reference).")
+    if step_costs:
+        notes.append("Ceiling (--ceiling): verified rows = tokens the target checks per step (1 + drafts), mean over "
+                     "the row's steps; ceiling = mean accepted x t(1) / t(verified rows), the speedup this acceptance "
+                     "would give if drafting and the engine's bookkeeping cost nothing, with t the target's step "
+                     "time measured after the runs: " + "; ".join(
+                         (f"[{tag}] " if tag else "") + ", ".join(f"{n} rows {t * 1e3:.2f} ms" for n, t in pts)
+                         for tag, pts in step_costs.items()) + ".")
     print(table)
     print("\n".join(notes))
     if args.out:
@@ -432,6 +491,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out.with_suffix(".json").write_text(json.dumps({
             "command": command, "machine": machine_info(), "bandwidth_gbps": bw, "weight_bytes": wbytes,
             "prompts": args.prompts, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+            "step_costs_s": step_costs,
             "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows],
         }, indent=2))
         print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
@@ -472,6 +532,10 @@ def add_cli(sub) -> None:
     p.add_argument("--linear-kernels", default="auto",
                    help="comma list of linear_kernel settings, each run with every method in its own engine, e.g. "
                    "'auto,packed-int8act' (int8 activations: lossy against float32, opt-in)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="time the target's step by verified rows and give each batch-1 row the speedup its "
+                   "acceptance would reach if drafting were free (mean accepted x t(1) / t(rows)): whether a "
+                   "drafter could pay on this machine at all, apart from its own cost")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

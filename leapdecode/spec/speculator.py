@@ -152,9 +152,9 @@ class Speculator:
         self._timed_step(self.engine.runner, self.engine.block_manager, n)
 
     @staticmethod
-    def _timed_step(runner, bm, n: int) -> None:
-        """One forward of n tokens on a scratch sequence (one block table borrowed from the pool, returned)."""
-        ctx = 64  # a short chat context: the regime where the step cost matters most
+    def _timed_step(runner, bm, n: int, ctx: int = 64) -> None:
+        """One forward of n tokens after ``ctx`` cached ones on a scratch sequence (one block table borrowed from
+        the pool, returned). The default is a short chat context: the regime where the step cost matters most."""
         if bm.blocks_needed(ctx + n) > bm.num_free_blocks:
             return
         with bm.borrowed(ctx + n) as table:
