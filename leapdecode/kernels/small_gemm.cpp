@@ -3,8 +3,8 @@
 // W is pre-packed into panels of 16 output features, [N/16][K][16]: one panel is one contiguous stream and each
 // 64-byte row of it (16 outputs at one k) is one cache line. For each panel the kernel walks the rows of x in
 // chunks of up to 8 (AVX-512) or 4 (AVX2, one 8-output half of the panel at a time), keeping a chunk's partial
-// sums in vector registers (two sets, for even and odd k, to halve the FMA dependency chains). The panel (36 KB at K = 576) comes from memory once and stays in L1/L2 for
-// the later chunks, so the call stays bound by weight bandwidth well past M = 8, where a general small-M GEMM
+// sums in vector registers (two sets, for even and odd k, to halve the FMA dependency chains). The panel (36 KB
+// at K = 576) comes from memory once and stays in L1/L2 for the later chunks, so the call stays bound by weight bandwidth well past M = 8, where a general small-M GEMM
 // costs 2-2.5x a vector-matrix product on the CPUs we measured.
 //
 // Every output element is summed in the same order (even and odd k separately, then added) whatever M and the
@@ -90,7 +90,7 @@ static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float
 }
 
 #ifdef HALF_PANELS
-// AVX2 (16 registers of 8 floats). The v16f code below kept 8 rows x 16 outputs x 2 sums, which spilled to the
+// AVX2 (16 registers of 8 floats). The v16f kernels kept 8 rows x 16 outputs x 2 sums, which spilled to the
 // stack here: a 1-row Q4 call ran at 2.7 GB/s and its cost grew linearly with rows. These kernels take one 8-output
 // half of a panel at a time (the second pass finds the panel in L1/L2). Per lane: w * x fused into the even or
 // odd sum in k order, the two added at the end. The FMA is explicit because the compiler's own contraction of a
@@ -153,7 +153,7 @@ static inline void fma_rows(__m256* a0, __m256* a1, __m256 w0, __m256 w1, const 
 
 // y [M, the panel's 16 outputs] = x @ W^T, ROW_CHUNK rows at a time with their sums in registers for the whole
 // panel; each chunk rebuilds the block weights again, which still beat rebuilding a block once into an L1 buffer
-// and streaming the chunks' sums through memory (1.7x at 8 rows, 1.4x at 32, measured here)
+// and streaming the chunks' sums through memory (~2x at 8-16 rows, 1.3x at 32: linear_bench, Q4_1)
 template <int R, class Panel>
 static inline void rows_x_half_panels(const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
   for (int h = 0; h < 2; ++h) {
@@ -297,9 +297,7 @@ static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __res
   for_each_pair<Q4>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
   store_rows<R>(acc0, acc1, y, N);
 }
-#endif
 
-#ifndef HALF_PANELS
 template <bool Q4>
 static void rows_x_qpanel_any(int64_t rows, const float* x, const uint8_t* rec, float* y, int64_t K, int64_t N) {
   with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, Q4>(x, rec, y, K, N); });
