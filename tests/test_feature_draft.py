@@ -273,6 +273,13 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
 
 
+def _default_precision_spec(plain: LLM, folder: Path) -> LLM:
+    """eagle with ``folder``'s draft at the default draft precision, drafting every step."""
+    return LLM.from_engine_of(plain, speculative_config={"method": "eagle", "model": str(folder),
+                                                         "use_cost_model": False, "min_draft_prob": 0.0},
+                              kv_cache_blocks=256)
+
+
 def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     """By default a drafter's own projections (fc, its layer, the subset head) run as Q8_0 weights with int8
     activations: every packed record is the int8-activation layout and each weight equals its Q8_0
@@ -281,9 +288,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     if small_gemm.int8_activation_isa() in (None, "portable"):
         pytest.skip("no fast int8 kernel on this CPU (AVX2 or AVX-512 VNNI): drafting stays float32 (next test)")
     want = _tokens(plain1, PROMPTS, GREEDY)
-    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
-                                                          "use_cost_model": False, "min_draft_prob": 0.0},
-                              kv_cache_blocks=256)
+    spec = _default_precision_spec(plain1, near_exact["exact"])
     prop = spec.engine.speculator.proposer
     assert prop.draft_precision == "int8"
     linears = [m for m in prop.adapter.modules() if hasattr(m, "packed")]
@@ -305,9 +310,7 @@ def test_int8_drafting_falls_back_to_float32_without_a_fast_int8_kernel(plain1, 
     """Without AVX2 the int8 kernel is a scalar reference loop, slower than float32: the default then drafts
     with float32 panels and says so, and the output is plain decoding's."""
     monkeypatch.setattr(small_gemm, "int8_activation_isa", lambda: "portable")
-    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["exact"]),
-                                                          "use_cost_model": False, "min_draft_prob": 0.0},
-                              kv_cache_blocks=256)
+    spec = _default_precision_spec(plain1, near_exact["exact"])
     prop = spec.engine.speculator.proposer
     assert prop.draft_precision == "float32"
     linears = [m for m in prop.adapter.modules() if hasattr(m, "packed")]
