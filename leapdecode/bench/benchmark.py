@@ -183,9 +183,11 @@ def target_step_costs(llm, context: int, repeats: int = 9):
     from leapdecode.spec.dynamic_gamma import StepCostModel
     from leapdecode.spec.speculator import Speculator
 
-    eng = llm.engine
-    return StepCostModel.calibrate(lambda n: Speculator._timed_step(eng.runner, eng.block_manager, n, context),
-                                   sizes=CEILING_ROWS, repeats=repeats)
+    eng, bm = llm.engine, llm.engine.block_manager
+    # only sizes whose scratch sequence fits the idle pool: _timed_step skips the others, which would time nothing
+    sizes = tuple(n for n in CEILING_ROWS if bm.blocks_needed(context + n) <= bm.num_free_blocks)
+    return StepCostModel.calibrate(lambda n: Speculator._timed_step(eng.runner, bm, n, context), sizes=sizes,
+                                   repeats=repeats)
 
 
 def add_ceiling(rows: list[Row], costs) -> None:
