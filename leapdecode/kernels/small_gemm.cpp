@@ -212,8 +212,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
 //   Q4:  d[16] f32 | m[16] f32 | 16 pairs x 16 bytes: byte (i, j) = q(j, k0+2i) | q(j, k0+2i+1) << 4   (384 B)
 //   Q8:  d[16] f32 | 32 x 16 int8: q(j, k0+i) at (i, j)                                                 (576 B)
 // (Q4_0's w = d * (q - 8) is stored as Q4 with m = -8 d, which is the same float32 value.)
+// AVX2 builds rebuild the weights in BlockPanel (above); the v16f conversions below serve the other builds.
+#ifndef HALF_PANELS
 #ifdef __AVX512F__
-#include <immintrin.h>
 // 16 bytes -> 16 floats: the low / high nibbles of unsigned bytes (Q4) or signed bytes (Q8)
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -222,29 +223,6 @@ static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
 }
 static inline v16f int8s_to_floats(const uint8_t* p) {
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#elif defined(__AVX2__)
-#include <immintrin.h>
-// the same conversions as two 8-lane halves (most desktop CPUs have AVX2 but not AVX-512)
-static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i mask = _mm256_set1_epi32(15);
-  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-  const __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), l1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
-  const __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-  __builtin_memcpy(&lo, &l0, 32);
-  __builtin_memcpy(reinterpret_cast<char*>(&lo) + 32, &l1, 32);
-  __builtin_memcpy(&hi, &h0, 32);
-  __builtin_memcpy(reinterpret_cast<char*>(&hi) + 32, &h1, 32);
-}
-static inline v16f int8s_to_floats(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  v16f v;
-  __builtin_memcpy(&v, &f0, 32);
-  __builtin_memcpy(reinterpret_cast<char*>(&v) + 32, &f1, 32);
-  return v;
 }
 #else  // portable (slow) fallback: GCC turns byte-vector conversions into scalar code anyway
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
@@ -288,7 +266,6 @@ static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
   }
 }
 
-#ifndef HALF_PANELS
 template <int R, bool Q4>
 static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
                                  int64_t K, int64_t N) {
@@ -492,6 +469,8 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
     }
     const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
     const __m256 d1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
+    const __m256 m0 = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)) : _mm256_setzero_ps();
+    const __m256 m1 = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * 32;
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -512,8 +491,8 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
       acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xd), acc[r][1]);
       if (Q4) {
         const __m256 xs = _mm256_set1_ps(xr.s[i]);
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)), xs, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8), xs, acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(m0, xs, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(m1, xs, acc[r][1]);
       }
     }
   }
