@@ -6,9 +6,11 @@ Answers "will it fit?" before anything is loaded: only the model's config is rea
 The KV numbers are the engine's own: the cache allocates whole blocks of ``block_size`` tokens per sequence,
 and an int8 cache also stores a float16 scale per 16 channels per token per KV head (see
 :mod:`leapdecode.layers.kv_quant`), so the per-token cost here is exactly what ``LLM(kv_cache_dtype=...)``
-allocates. Weights are counted as ``num_params * bytes(weight_dtype)``: the engine dequantizes GGUF weights to
-its compute dtype, so a Q4 file still costs float bytes in memory. Activations, the sampler and the Python
-runtime are not counted.
+allocates. Weights (``--weight-dtype auto``) are counted as the engine holds them: a GGUF file's quantized
+matrices as the kernel records they are repacked into (layers/block_formats.py; ~6 bits a weight for Q4_K,
+~9.5 for Q6_K), everything else as float32; ``float32`` / ``float16`` / ``bfloat16`` count every parameter in
+that dtype (what CUDA or ``linear_kernel="torch"`` hold). Activations, the sampler and the Python runtime are
+not counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from leapdecode.layers.kv_quant import KV_DTYPES, kv_bytes_per_token
 from leapdecode.models.config import ModelConfig
+from leapdecode.models.loader import kept_weight_bytes, load_config, resolve_model
 
 WEIGHT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -60,8 +63,6 @@ class MemoryPlan:
 
 def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
     """Config of an HF folder (``config.json`` alone is enough), a .gguf file, or the bundled model."""
-    from leapdecode.models.loader import load_config, resolve_model
-
     if model is not None:
         path = Path(model).expanduser()
         if path.is_file() and path.name == "config.json":
@@ -82,8 +83,11 @@ def make_plan(
     block_size: int = 16,
     memory_bytes: int | None = None,
     model_name: str = "",
+    weight_bytes: int | None = None,
 ) -> MemoryPlan:
-    """Count weight and KV bytes for ``batch`` sequences of ``context`` tokens; see the module docstring."""
+    """Count weight and KV bytes for ``batch`` sequences of ``context`` tokens; see the module docstring.
+    ``weight_bytes`` (a GGUF file's kept blocks, :func:`leapdecode.models.loader.kept_weight_bytes`) replaces
+    the count of parameters in ``weight_dtype``."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {sorted(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     kv_name = weight_dtype if kv_dtype == "auto" else kv_dtype
@@ -97,7 +101,8 @@ def make_plan(
 
         memory_bytes, source = available_memory_bytes(torch.device("cpu")), "available system memory"
     n_params = cfg.num_params()
-    weight_bytes = n_params * torch.empty((), dtype=WEIGHT_DTYPES[weight_dtype]).element_size()
+    if weight_bytes is None:
+        weight_bytes = n_params * torch.empty((), dtype=WEIGHT_DTYPES[weight_dtype]).element_size()
     per_token = kv_bytes_per_token(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, KV_DTYPES[kv_name]
     )
@@ -170,16 +175,23 @@ def format_plan(p: MemoryPlan, cfg: ModelConfig) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg, name = load_model_config(args.model)
     memory = None if args.memory_gb is None else int(args.memory_gb * GIB)
+    kept = None
+    path = None if args.model is None else Path(args.model).expanduser()
+    if args.weight_dtype == "auto" and (args.model is None or (path.is_file() and path.suffix == ".gguf")):
+        kept = kept_weight_bytes(resolve_model(args.model))
     p = make_plan(
         cfg,
         context=args.context or cfg.max_position_embeddings,
         batch=args.batch,
         kv_dtype=args.kv_dtype,
-        weight_dtype=args.weight_dtype,
+        weight_dtype="float32" if args.weight_dtype == "auto" else args.weight_dtype,
         block_size=args.block_size,
         memory_bytes=memory,
         model_name=name,
+        weight_bytes=kept,
     )
+    if kept is not None:
+        p.weight_dtype = "GGUF blocks"
     print(json.dumps(asdict(p), indent=2) if args.json else format_plan(p, cfg))
     return 0
 
@@ -210,7 +222,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         choices=["auto", *KV_DTYPES],
         help="KV cache dtype (default: the weight dtype)",
     )
-    p.add_argument("--weight-dtype", default="float32", choices=list(WEIGHT_DTYPES), help="default float32")
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", *WEIGHT_DTYPES],
+                   help="auto (default): a GGUF file's quantized weights as the CPU engine keeps them (their "
+                        "blocks), other weights float32; or count every parameter in this dtype")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     p.add_argument(
         "--memory-gb",

@@ -9,6 +9,7 @@ import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
+from leapdecode.layers.block_formats import QuantizedWeight
 
 from .conftest import SPEC_PROMPTS
 
@@ -19,7 +20,7 @@ needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build
 def _quantize(fmt: str, w: np.ndarray) -> small_gemm.BlockQuantized:
     gguf = pytest.importorskip("gguf")
     raw = gguf.quants.quantize(w.astype(np.float32), getattr(gguf.GGMLQuantizationType, fmt))
-    return small_gemm.BlockQuantized.from_gguf(fmt, raw, w.shape)
+    return QuantizedWeight.from_gguf([(fmt, raw, w.shape)]).to_block_quantized()
 
 
 def _reference(x: torch.Tensor, bq: small_gemm.BlockQuantized) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _int8_tiny_llm(make_tiny_model, **kwargs) -> LLM:
     llm = LLM(model=str(path), kv_cache_blocks=256, max_num_seqs=16, linear_kernel="torch", **kwargs)
     model = llm.engine.model
     for mod in model.modules():
-        if hasattr(mod, "packed") and not hasattr(mod, "get_weight"):
+        if hasattr(mod, "packed") and not hasattr(mod, "get_weight") and not getattr(mod, "looks_up_rows", False):
             bq = _quantize("Q4_1", mod.weight.detach().numpy())
             mod.weight.data.copy_(bq.dequantize())
             mod.block_quantized = bq

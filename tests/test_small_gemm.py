@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
+from leapdecode.layers.block_formats import RECORD_BYTES, QuantizedWeight
 from leapdecode.layers.linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 
 ext = small_gemm.load_kernel()
@@ -38,8 +39,8 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call() -> None
         assert torch.equal(ext.small_linear(x[:m].contiguous(), packed), alone[:m])
 
 
-def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[small_gemm.BlockQuantized, torch.Tensor]:
-    """A random [n, k] weight quantized by gguf-py to ``fmt``: our parse of its blocks and gguf's dequantisation."""
+def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random [n, k] weight quantized by gguf-py to ``fmt``: its kernel records and gguf's dequantisation."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
@@ -47,21 +48,21 @@ def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[small_gemm.BlockQ
     qtype = getattr(gguf.GGMLQuantizationType, fmt)
     raw = gguf.quants.quantize(w, qtype)
     ref = torch.from_numpy(np.asarray(gguf.dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
-    return small_gemm.BlockQuantized.from_gguf(fmt, raw, (n, k)), ref
+    return QuantizedWeight.from_gguf([(fmt, raw, (n, k))]), ref
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_rebuild_the_dequantised_weights_exactly(fmt: str) -> None:
-    bq, ref = _gguf_blocks(fmt, 48, 96, seed=1)
-    assert bq.kind == ("q8" if fmt == "Q8_0" else "q4")
-    assert torch.equal(bq.dequantize(), ref)
+    qw, ref = _gguf_blocks(fmt, 48, 96, seed=1)
+    assert qw.kind == ("q8" if fmt == "Q8_0" else "q4")
+    assert torch.equal(qw.dequantize(), ref)
     perm = torch.randperm(48)
-    assert torch.equal(bq.map_parts(lambda t: t[perm]).dequantize(), ref[perm])  # e.g. llama.cpp's Q/K unpermute
-    both = small_gemm.BlockQuantized.cat([bq, bq])
-    assert torch.equal(both.dequantize(), torch.cat([ref, ref]))
-    assert small_gemm.BlockQuantized.cat([bq, None]) is None
+    assert torch.equal(qw.select_rows(perm).dequantize(), ref[perm])  # e.g. a drafter's vocabulary subset
+    assert torch.equal(qw.to_block_quantized().dequantize(), ref)
 
 
+@needs_kernel
 def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
     """Drafters quantize their float weights to Q8_0 (enable_int8_drafting): the blocks are byte for byte those
     of gguf's reference quantizer, zero blocks included."""
@@ -71,8 +72,8 @@ def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
         torch.manual_seed(seed)
         w = torch.randn(48, 96) * (seed + 1)
         w[0, :32] = 0
-        ref = small_gemm.BlockQuantized.from_gguf("Q8_0", quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0),
-                                                  (48, 96))
+        raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+        ref = QuantizedWeight.from_gguf([("Q8_0", raw, (48, 96))]).to_block_quantized()
         mine = small_gemm.BlockQuantized.quantize_q8(w)
         assert torch.equal(mine.q, ref.q) and torch.equal(mine.scale, ref.scale)
 
@@ -80,10 +81,9 @@ def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_kernels_equal_the_float32_kernel_bit_for_bit(fmt: str) -> None:
-    bq, ref = _gguf_blocks(fmt, 96, 576, seed=2)
-    blocks, panels = bq.pack(), small_gemm.pack(ref)
-    record = small_gemm.Q8_RECORD if fmt == "Q8_0" else small_gemm.Q4_RECORD
-    assert blocks.dtype == torch.uint8 and blocks.shape == (96 // 16, 576 // 32, record)
+    qw, ref = _gguf_blocks(fmt, 96, 576, seed=2)
+    blocks, panels = qw.records, small_gemm.pack(ref)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (96 // 16, 576 // 32, RECORD_BYTES[qw.kind])
     g = torch.Generator().manual_seed(3)
     for m in (1, 2, 3, 8, 9, 17, 64):
         x = torch.randn(m, 576, generator=g)
@@ -92,44 +92,40 @@ def test_block_kernels_equal_the_float32_kernel_bit_for_bit(fmt: str) -> None:
 
 
 @needs_kernel
-def test_blocks_are_used_only_while_they_reproduce_the_weight() -> None:
-    bq, ref = _gguf_blocks("Q4_1", 32, 64, seed=4)
-
-    def layer(weight: torch.Tensor) -> ColumnParallelLinear:
-        lin = ColumnParallelLinear(64, [32])
-        lin.weight.data.copy_(weight)
-        lin.block_quantized = bq
-        return lin
-
-    exact = layer(ref)
-    assert small_gemm.enable(exact) == 1 and small_gemm.packed_formats(exact) == {"q4": 1}
-    assert exact.block_quantized is None  # released: the packed records hold everything
-    changed = layer(ref + 1e-3)  # e.g. fine-tuned after loading
-    small_gemm.enable(changed)
-    assert small_gemm.packed_formats(changed) == {"float32": 1}
-    opted_out = layer(ref)
+def test_a_layer_kept_in_blocks_has_no_float_weight_and_serves_every_row_count() -> None:
+    qw, ref = _gguf_blocks("Q4_1", 32, 64, seed=4)
+    kept = ColumnParallelLinear(64, [32])
+    kept.set_quantized(qw)
+    assert kept.weight is None and not list(kept.parameters())  # no float copy
+    assert small_gemm.enable(kept) == 1 and small_gemm.packed_formats(kept) == {"q4": 1}
+    assert kept.packed is qw.records  # the records themselves, not a copy
+    opted_out = ColumnParallelLinear(64, [32])
+    opted_out.set_quantized(qw)
     small_gemm.enable(opted_out, use_blocks=False)
     assert small_gemm.packed_formats(opted_out) == {"float32": 1}
     x = torch.randn(3, 64)
-    assert torch.equal(exact(x), opted_out(x))
+    assert torch.equal(kept(x), opted_out(x))
+    big = torch.randn(small_gemm.MAX_ROWS + 5, 64)  # beyond the kernel: torch over the rebuilt weight
+    torch.testing.assert_close(kept(big), F.linear(big, ref), rtol=0, atol=0)
 
 
 @needs_kernel
 def test_a_tied_lm_head_keeps_its_blocks_for_drafter_read_outs() -> None:
-    bq, ref = _gguf_blocks("Q8_0", 64, 96, seed=5)
+    qw, ref = _gguf_blocks("Q8_0", 64, 96, seed=5)
     embed = VocabParallelEmbedding(64, 96)
-    embed.weight.data.copy_(ref)
-    embed.block_quantized = bq
+    embed.set_quantized(qw)
     head = ParallelLMHead(64, 96, tied_to=embed)
     small_gemm.enable(head)
-    assert small_gemm.packed_formats(head) == {"q8": 1} and embed.block_quantized is bq
+    assert small_gemm.packed_formats(head) == {"q8": 1} and embed.quant is qw
+    ids = torch.tensor([[3, 60], [7, 0]])
+    assert torch.equal(embed(ids), ref[ids])  # the lookup rebuilds just those rows
     rows = torch.tensor([3, 60, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])
     sub = ref.index_select(0, rows)
     packed = small_gemm.pack_rows(head, rows, sub)
     assert packed.dtype == torch.uint8  # Q8 records: a quarter of the float32 bytes
     x = torch.randn(5, 96)
     assert torch.equal(small_gemm.linear(x, sub, None, packed), ext.small_linear(x, small_gemm.pack(sub)))
-    assert small_gemm.pack_rows(head, rows, sub + 1).dtype == torch.float32  # not the head's rows: panels
+    assert small_gemm.pack_rows(head, rows[:5], sub[:5]) is None  # 5 rows: the kernel takes multiples of 16
 
 
 @needs_kernel

@@ -96,12 +96,13 @@ def measure_bandwidth_gbps(device: torch.device, mb: int = 512) -> float:
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head), in the
-    form its kernel reads it (float32 panels or the checkpoint's Q4/Q8 blocks, layers/small_gemm.py)."""
+    form its kernel reads it (float32 panels or the checkpoint's blocks, layers/block_formats.py)."""
     seen, total = set(), 0
     for mod in model.modules():
         packed = getattr(mod, "packed", None)
         if packed is not None:
-            seen.add(id(mod.get_weight() if hasattr(mod, "get_weight") else mod.weight))
+            owner = mod.owner() if hasattr(mod, "owner") else mod  # a tied LM head reads the embedding's weight
+            seen.add(id(getattr(owner, "weight", None)))
             total += packed.numel() * packed.element_size()
     for p in model.parameters():
         if id(p) not in seen:

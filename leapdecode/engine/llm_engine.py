@@ -28,7 +28,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if model is None:
             self.model_path = resolve_model(config.model)
-            model, _ = load_model(self.model_path, config.torch_dtype, self.device)
+            keep_blocks = None if config.linear_kernel in ("auto", "packed", "packed-int8act") else False
+            model, _ = load_model(self.model_path, config.torch_dtype, self.device, keep_blocks)
             tokenizer = load_tokenizer(self.model_path)
         else:
             self.model_path = model_path

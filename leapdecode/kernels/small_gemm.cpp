@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #endif
 
+#include "block_formats.h"
+
 typedef float v16f __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH = 32;  // k-rows (cache lines) ahead in the panel stream
 // block records (384-576 bytes each) prefetched ahead in the Q4/Q8 record streams: 8 rather than 2 made a decode
@@ -37,7 +39,6 @@ constexpr int ROW_CHUNK = 4;
 #else
 constexpr int ROW_CHUNK = 8;
 #endif
-constexpr int64_t Q4_RECORD = 384, Q8_RECORD = 576;  // bytes per block record (layouts below)
 
 // The one accumulation every kernel here uses (even and odd k in separate sums, added at the end): sharing it is
 // what keeps the block-format kernels bit-identical to the float32 one.
@@ -113,30 +114,51 @@ struct FloatPanel {
   }
 };
 
-template <bool Q4>
+template <int KIND>
 struct BlockPanel {
   const uint8_t* records;
   template <class F>
-  void operator()(int64_t k0, int h, F&& f) const {
-    constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
+  void operator()(int64_t k0, int ho, F&& f) const {
+    constexpr int64_t REC = record_bytes(KIND);
     const uint8_t* rec = records + (k0 / 32) * REC;
-    if (h == 0)
+    if (ho == 0)
       for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
-    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8 * h);
-    const __m256 m = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8 * h) : _mm256_setzero_ps();
+    auto f32 = [&](int64_t off) { return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + off) + 8 * ho); };
+    auto bytes = [&](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * ho)); };
+    auto i8f = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); };
+    auto u8f = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); };
+    __m256 s[2], m[2];  // per block half (inputs 0-15, 16-31): scale and minimum of outputs 8 ho .. 8 ho + 7
+    if constexpr (KIND == KIND_Q4 || KIND == KIND_Q8M) {
+      s[0] = s[1] = f32(0), m[0] = m[1] = f32(64);
+    } else if constexpr (KIND == KIND_Q8S) {
+      for (int h = 0; h < 2; ++h) s[h] = _mm256_mul_ps(f32(0), i8f(rec + 64 + 16 * h)), m[h] = _mm256_setzero_ps();
+    } else if constexpr (KIND == KIND_Q4S) {
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm256_mul_ps(f32(0), u8f(rec + 128 + 16 * h));
+        m[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f32(64), u8f(rec + 160 + 16 * h)));
+      }
+    } else if constexpr (KIND == KIND_Q8G) {
+      for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
+    } else {
+      s[0] = s[1] = f32(0), m[0] = m[1] = _mm256_setzero_ps();
+    }
+    const uint8_t* c = rec + kind_codes_offset(KIND);
     for (int i = 0; i < 16; ++i) {
+      const int h = i / 8;
       __m256 w0, w1;
-      if (Q4) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + i * 16 + 8 * h));
-        const __m256i b = _mm256_cvtepu8_epi32(q);
-        w0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), d), m);
-        w1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d), m);
+      if constexpr (kind_nibbles(KIND)) {
+        const __m256i b = _mm256_cvtepu8_epi32(bytes(c + i * 16));
+        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      } else if constexpr (kind_unsigned(KIND)) {
+        w0 = u8f(c + i * 32), w1 = u8f(c + i * 32 + 16);
       } else {
-        const uint8_t* q = rec + 64 + i * 32 + 8 * h;
-        const __m128i q0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-        const __m128i q1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16));
-        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
-        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
+        w0 = i8f(c + i * 32), w1 = i8f(c + i * 32 + 16);
+      }
+      if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S) {
+        w0 = _mm256_mul_ps(w0, s[h]), w1 = _mm256_mul_ps(w1, s[h]);
+      } else {
+        w0 = _mm256_add_ps(_mm256_mul_ps(w0, s[h]), m[h]), w1 = _mm256_add_ps(_mm256_mul_ps(w1, s[h]), m[h]);
       }
       f(k0 + 2 * i, w0, w1);
     }
@@ -201,21 +223,15 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The same products with the weights kept in the checkpoint's own block formats (GGUF Q4_0/Q4_1/Q8_0): a weight
-// is w = d * q + m with one fp16 scale d (and min m) per 32 inputs of a row. d * q needs at most 11 + 8 mantissa
-// bits, so it is exact in float32, and so is d * q + m rounded once: the kernel rebuilds, in registers, exactly
-// the float32 weights the loader's dequantisation produced, and sums them in exactly the order of the float32
-// kernel above. Results are bit-identical to it (tested) while reading 6 (Q4) or 9 (Q8) bits per weight instead
-// of 32: a batch-1 step stops being bound by memory bandwidth.
-//
-// Packed layout, per panel of 16 output rows, one record per block of 32 inputs (k0 .. k0+31):
-//   Q4:  d[16] f32 | m[16] f32 | 16 pairs x 16 bytes: byte (i, j) = q(j, k0+2i) | q(j, k0+2i+1) << 4   (384 B)
-//   Q8:  d[16] f32 | 32 x 16 int8: q(j, k0+i) at (i, j)                                                 (576 B)
-// (Q4_0's w = d * (q - 8) is stored as Q4 with m = -8 d, which is the same float32 value.)
+// The same products with the weights kept in the checkpoint's own block formats, repacked into the records of
+// block_formats.h (kernels/gguf_blocks.cpp): per record of 16 output rows and 32 inputs, the kernel rebuilds in
+// registers exactly the float32 weights gguf's dequantisation produces (code * scale + minimum, with every
+// product exact or rounded as gguf rounds it), and sums them in exactly the order of the float32 kernel above.
+// Results are bit-identical to it (tested) while a step reads 4.75-10 bits per weight instead of 32.
 // AVX2 builds rebuild the weights in BlockPanel (above); the v16f conversions below serve the other builds.
 #ifndef HALF_PANELS
 #ifdef __AVX512F__
-// 16 bytes -> 16 floats: the low / high nibbles of unsigned bytes (Q4) or signed bytes (Q8)
+// 16 bytes -> 16 floats: the low / high nibbles of unsigned bytes, signed bytes, unsigned bytes
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
@@ -223,6 +239,9 @@ static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
 }
 static inline v16f int8s_to_floats(const uint8_t* p) {
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline v16f uint8s_to_floats(const uint8_t* p) {
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #else  // portable (slow) fallback: GCC turns byte-vector conversions into scalar code anyway
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
@@ -233,57 +252,88 @@ static inline v16f int8s_to_floats(const uint8_t* p) {
   for (int j = 0; j < 16; ++j) v[j] = float(static_cast<int8_t>(p[j]));
   return v;
 }
+static inline v16f uint8s_to_floats(const uint8_t* p) {
+  v16f v;
+  for (int j = 0; j < 16; ++j) v[j] = float(p[j]);
+  return v;
+}
 #endif
 
-// The 32 x 16 float32 weights of one record, w0 = inputs k0 + 2i, w1 = k0 + 2i + 1 for the 16 outputs.
-template <bool Q4>
-static inline void dequant_pair(const uint8_t* rec, int i, v16f d, v16f m, v16f& w0, v16f& w1) {
-  const uint8_t* q = rec + (Q4 ? 128 : 64);
-  if (Q4) {
-    nibbles_to_floats(q + i * 16, w0, w1);
-    w0 = w0 * d + m;
-    w1 = w1 * d + m;
+// One record's scale and minimum for its two block halves (inputs 0-15 and 16-31), as block_formats.h defines them
+template <int KIND>
+static inline void record_header(const uint8_t* rec, v16f* s, v16f* m) {
+  auto f32 = [&](int64_t off) {
+    v16f v;
+    __builtin_memcpy(&v, rec + off, 64);
+    return v;
+  };
+  if constexpr (KIND == KIND_Q4 || KIND == KIND_Q8M) {
+    s[0] = s[1] = f32(0), m[0] = m[1] = f32(64);
+  } else if constexpr (KIND == KIND_Q8S) {
+    for (int h = 0; h < 2; ++h) s[h] = f32(0) * int8s_to_floats(rec + 64 + 16 * h), m[h] = v16f{};
+  } else if constexpr (KIND == KIND_Q4S) {
+    for (int h = 0; h < 2; ++h)
+      s[h] = f32(0) * uint8s_to_floats(rec + 128 + 16 * h), m[h] = -(f32(64) * uint8s_to_floats(rec + 160 + 16 * h));
+  } else if constexpr (KIND == KIND_Q8G) {
+    for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
   } else {
-    w0 = int8s_to_floats(q + i * 32) * d;
-    w1 = int8s_to_floats(q + i * 32 + 16) * d;
+    s[0] = s[1] = f32(0), m[0] = m[1] = v16f{};
+  }
+}
+
+// The 32 x 16 float32 weights of one record, w0 = inputs k0 + 2i, w1 = k0 + 2i + 1 for the 16 outputs.
+template <int KIND>
+static inline void dequant_pair(const uint8_t* rec, int i, const v16f* s, const v16f* m, v16f& w0, v16f& w1) {
+  const int h = i / 8;
+  const uint8_t* c = rec + kind_codes_offset(KIND);
+  if constexpr (kind_nibbles(KIND)) {
+    nibbles_to_floats(c + i * 16, w0, w1);
+  } else if constexpr (kind_unsigned(KIND)) {
+    w0 = uint8s_to_floats(c + i * 32), w1 = uint8s_to_floats(c + i * 32 + 16);
+  } else {
+    w0 = int8s_to_floats(c + i * 32), w1 = int8s_to_floats(c + i * 32 + 16);
+  }
+  if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S) {
+    w0 = w0 * s[h], w1 = w1 * s[h];
+  } else {
+    w0 = w0 * s[h] + m[h], w1 = w1 * s[h] + m[h];
   }
 }
 
 // f(k, w0, w1) for every input pair (k, k + 1) of one panel, in k order, with its 16 + 16 rebuilt weights
-template <bool Q4, class F>
+template <int KIND, class F>
 static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
-  constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
+  constexpr int64_t REC = record_bytes(KIND);
   for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
     for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
-    v16f d, m = v16f{};
-    __builtin_memcpy(&d, rec, 64);
-    if (Q4) __builtin_memcpy(&m, rec + 64, 64);
+    v16f s[2], m[2];
+    record_header<KIND>(rec, s, m);
     for (int i = 0; i < 16; ++i) {
       v16f w0, w1;
-      dequant_pair<Q4>(rec, i, d, m, w0, w1);
+      dequant_pair<KIND>(rec, i, s, m, w0, w1);
       f(k0 + 2 * i, w0, w1);
     }
   }
 }
 
-template <int R, bool Q4>
+template <int R, int KIND>
 static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
                                  int64_t K, int64_t N) {
   v16f acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16f{};
-  for_each_pair<Q4>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
+  for_each_pair<KIND>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
   store_rows<R>(acc0, acc1, y, N);
 }
 
-template <bool Q4>
+template <int KIND>
 static void rows_x_qpanel_any(int64_t rows, const float* x, const uint8_t* rec, float* y, int64_t K, int64_t N) {
-  with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, Q4>(x, rec, y, K, N); });
+  with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, KIND>(x, rec, y, K, N); });
 }
 #endif
 
-template <bool Q4>
+template <int KIND>
 static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
-  constexpr int64_t REC = Q4 ? Q4_RECORD : Q8_RECORD;
+  constexpr int64_t REC = record_bytes(KIND);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "quant_linear: x must be a contiguous [M, K] float32 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == REC && packed.scalar_type() == torch::kUInt8 &&
@@ -299,18 +349,19 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   const int64_t panel_bytes = (K / 32) * REC;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
 #ifdef HALF_PANELS
-    for (int64_t p = begin; p < end; ++p) panel_rows(M, BlockPanel<Q4>{wp + p * panel_bytes}, xp, yp + p * 16, K, N);
+    for (int64_t p = begin; p < end; ++p)
+      panel_rows(M, BlockPanel<KIND>{wp + p * panel_bytes}, xp, yp + p * 16, K, N);
 #else
     if (M <= ROW_CHUNK) {  // rebuild each weight in registers, use it for every row
       for (int64_t p = begin; p < end; ++p)
-        rows_x_qpanel_any<Q4>(M, xp, wp + p * panel_bytes, yp + p * 16, K, N);
+        rows_x_qpanel_any<KIND>(M, xp, wp + p * panel_bytes, yp + p * 16, K, N);
       return;
     }
     // more rows: rebuild the panel once into float32 (K x 64 B, in L2) and run the float32 kernel over it, so
     // the rebuild is not repeated per chunk of 8 rows; the sums are the float32 kernel's own, so still identical
     std::vector<float> panel(K * 16);
     for (int64_t p = begin; p < end; ++p) {
-      for_each_pair<Q4>(wp + p * panel_bytes, K, [&](int64_t k, v16f w0, v16f w1) {
+      for_each_pair<KIND>(wp + p * panel_bytes, K, [&](int64_t k, v16f w0, v16f w1) {
         __builtin_memcpy(panel.data() + k * 16, &w0, 64);
         __builtin_memcpy(panel.data() + (k + 1) * 16, &w1, 64);
       });
@@ -577,14 +628,26 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
 
 std::string a8_isa() { return A8_ISA; }
 
-// y = x @ W^T through whichever packed format W has (float32 panels, Q4 or Q8 records)
+// y = x @ W^T through whichever packed format W has (float32 panels, int8-activation records, or the records of
+// block_formats.h, told apart by their size)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
   if (packed.scalar_type() == torch::kFloat32) return small_linear(x, packed);
   if (packed.dim() == 4) return a8_linear(x, packed);
-  return packed.size(2) == Q4_RECORD ? quant_linear<true>(x, packed) : quant_linear<false>(x, packed);
+  switch (kind_of_record(packed.size(2))) {
+    case KIND_Q4: return quant_linear<KIND_Q4>(x, packed);
+    case KIND_Q8: return quant_linear<KIND_Q8>(x, packed);
+    case KIND_Q8M: return quant_linear<KIND_Q8M>(x, packed);
+    case KIND_Q8S: return quant_linear<KIND_Q8S>(x, packed);
+    case KIND_Q4S: return quant_linear<KIND_Q4S>(x, packed);
+    case KIND_Q8G: return quant_linear<KIND_Q8G>(x, packed);
+  }
+  TORCH_CHECK(false, "packed_linear: unknown packed format of record size ", packed.size(2));
 }
 
-// kernels/decode_ops.cpp, built into the same extension
+// kernels/gguf_blocks.cpp and kernels/decode_ops.cpp, built into the same extension
+void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Tensor out);
+torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows);
+int64_t natural_kind(int64_t type);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out);
@@ -615,8 +678,9 @@ torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
-  m.def("q4_linear", &quant_linear<true>, "y = x @ W^T for 1..64 rows, W in packed Q4 blocks [N/16, K/32, 384]");
-  m.def("q8_linear", &quant_linear<false>, "y = x @ W^T for 1..64 rows, W in packed Q8 blocks [N/16, K/32, 576]");
+  m.def("repack_gguf", &repack_gguf, "raw GGUF blocks [N, row bytes] (rows permuted) -> kernel records out [N/16, K/32, bytes]");
+  m.def("unpack_records", &unpack_records, "float32 rows of kernel records (bitwise gguf's dequantisation)");
+  m.def("natural_kind", &natural_kind, "the record kind of a ggml quantization type id (-1: none)");
   m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI)");
   m.def("a8_isa", &a8_isa, "what a8_linear was built for: avx512-vnni, avx2, or portable (a slow scalar loop)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapdecode.layers import small_gemm
+from leapdecode.layers.block_formats import QuantizedWeight
 from leapdecode.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
 
@@ -29,7 +30,38 @@ def shard_tensor(full: torch.Tensor, shard_dim: int | None, parts: list[int] | N
     return torch.cat(pieces, dim=shard_dim)
 
 
-class ColumnParallelLinear(nn.Module):
+class KernelWeight(nn.Module):
+    """A layer whose weight is a float Parameter or, for a GGUF checkpoint on a CPU, kernel records that replace it
+    (``quant``, layers/block_formats.py); ``packed`` is what the few-row kernel reads (set by small_gemm.enable)."""
+
+    weight: nn.Parameter | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: torch.Tensor | None = None
+        self.quant: QuantizedWeight | None = None
+
+    def set_quantized(self, quant: QuantizedWeight) -> None:
+        """Hold the weight as records only: the float Parameter goes (it was never materialised)."""
+        self.register_parameter("weight", None)
+        self.quant = quant
+
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 weight: the Parameter, or rebuilt from the records (for prompts beyond the kernel's row limit
+        and for readers of the whole matrix; bitwise the dequantised checkpoint)."""
+        if self.quant is not None:
+            return self.quant.dequantize()
+        if self.weight is None:
+            raise RuntimeError("this layer's weight lives only in its int8-activation records (packed-int8act)")
+        return self.weight
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if small_gemm.takes_packed(x, self.packed):
+            return small_gemm.packed_linear(x, self.packed, bias)
+        return F.linear(x, self.dense_weight(), bias)
+
+
+class ColumnParallelLinear(KernelWeight):
     """y = x W^T (+ b), with W's output rows split across ranks; the output stays sharded."""
 
     def __init__(self, in_features: int, out_parts: list[int], bias: bool = False) -> None:
@@ -41,13 +73,12 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(self.out_parts)), requires_grad=False)
             self.bias.shard_dim, self.bias.shard_parts = 0, list(out_parts)
-        self.packed: torch.Tensor | None = None  # few-row kernel layout (small_gemm.py), set by the engine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_gemm.linear(x, self.weight, self.bias, self.packed)
+        return self.project(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(KernelWeight):
     """y = x W^T with W's input columns split across ranks, then summed over ranks."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -58,14 +89,13 @@ class RowParallelLinear(nn.Module):
         self.weight.shard_dim, self.weight.shard_parts = 1, None
         # decided once: a decode step calls this 60 times, and asking torch.distributed each time is not free
         self.reduce = tp_size() > 1
-        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = small_gemm.linear(x, self.weight, None, self.packed)
+        y = self.project(x)
         return all_reduce(y) if self.reduce else y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(KernelWeight):
     """y = x W^T, the whole W on every rank (small layers that are not worth splitting, e.g. a feature draft's
     input projection); takes the few-row kernel like the parallel layers."""
 
@@ -73,14 +103,16 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.shard_dim, self.weight.shard_parts = None, None
-        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_gemm.linear(x, self.weight, None, self.packed)
+        return self.project(x)
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose vocabulary rows are split across ranks (masked lookup + all-reduce)."""
+class VocabParallelEmbedding(KernelWeight):
+    """Token embedding whose vocabulary rows are split across ranks (masked lookup + all-reduce); a GGUF
+    embedding kept as records rebuilds just the looked-up rows."""
+
+    looks_up_rows = True  # not a projection: small_gemm.enable packs its LM head instead
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
@@ -90,6 +122,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.shard_dim, self.weight.shard_parts = 0, None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.dequantize(ids).view(*ids.shape, -1).to(ids.device)
         if tp_size() == 1:
             return F.embedding(ids, self.weight)
         lo = tp_rank() * self.shard_size
@@ -99,8 +133,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    """Vocabulary-parallel output projection; logits are gathered to full width."""
+class ParallelLMHead(KernelWeight):
+    """Vocabulary-parallel output projection; logits are gathered to full width. A tied head reads the
+    embedding's weight (or records)."""
 
     def __init__(self, vocab_size: int, dim: int, tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
@@ -109,10 +144,15 @@ class ParallelLMHead(nn.Module):
             shard = divide(vocab_size, tp_size(), "vocab_size") if tp_size() > 1 else vocab_size
             self.weight = nn.Parameter(torch.empty(shard, dim), requires_grad=False)
             self.weight.shard_dim, self.weight.shard_parts = 0, None
-        self.packed: torch.Tensor | None = None
+
+    def owner(self) -> KernelWeight:
+        """The layer that holds the weight: the embedding when tied."""
+        return self.tied_to if self.tied_to is not None else self
 
     def get_weight(self) -> torch.Tensor:
-        return self.tied_to.weight if self.tied_to is not None else self.weight
+        return self.owner().dense_weight()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(small_gemm.linear(h, self.get_weight(), None, self.packed))
+        if small_gemm.takes_packed(h, self.packed):
+            return all_gather_last_dim(small_gemm.packed_linear(h, self.packed, None))
+        return all_gather_last_dim(F.linear(h, self.get_weight()))

@@ -14,11 +14,11 @@ which is compute-bound there and tuned for it. The copy costs one more set of we
 Numerics: every output of the kernel is summed in one fixed order whatever the number of rows, so a token's
 projections are bit-identical whether it is decoded alone, in a batch of 40, or verified among drafts.
 
-Weights that came from a GGUF block format (Q4_0, Q4_1, Q8_0 — the bundled model is Q4_1 with a Q8_0 embedding)
-are packed from their blocks instead (``BlockQuantized``): the kernel rebuilds the exact float32 weights in registers
-and sums in the same order, so results are bit-identical to the float32 packing while a step reads 6 or 9 bits per
-weight instead of 32. This is not a lossy option: the float32 model *is* the dequantised checkpoint. Before use,
-the blocks are checked to reproduce the layer's weight exactly (a weight changed after loading keeps float32).
+Weights of a GGUF checkpoint stay in their blocks (layers/block_formats.py): every common type (Q4_0 ... Q8_0,
+Q2_K ... Q6_K) is repacked at load time into records of 16 rows x 32 inputs, and the kernel rebuilds the exact
+float32 weights in registers and sums in the same order, so results are bit-identical to the float32 panels while
+a step reads 6-10 bits per weight instead of 32. This is not a lossy option: the float32 model *is* the
+dequantised checkpoint, and no float32 copy of it is ever made.
 
 ``linear_kernel="packed-int8act"`` is the one lossy option (off by default): the same blocks re-laid for AVX-512
 VNNI or AVX2 (``BlockQuantized.pack_int8_activations``; ``int8_activation_isa`` says which was built), each input
@@ -39,15 +39,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-Q4_RECORD, Q8_RECORD = 384, 576  # bytes per 16 rows x 32 inputs (kernels/small_gemm.cpp)
+# record bytes per 16 rows x 32 inputs -> kind (kernels/block_formats.h; layers/block_formats.py describes them)
+RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "q8g"}
 A8_Q4_LINES, A8_Q8_LINES = 6, 9  # 64-byte lines per record of the int8-activation layout
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
+SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "gguf_blocks.cpp", KERNELS / "decode_ops.cpp"]  # one build
 _ext = None
 _error: str | None = None
 
@@ -61,6 +61,10 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     return hashlib.sha256(info.encode()).hexdigest()[:10]
+
+
+def _headers_tag() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(KERNELS.glob("*.h")))).hexdigest()[:12]
 
 
 def load_kernel(required: bool = False):
@@ -79,7 +83,10 @@ def load_kernel(required: bool = False):
             _ext = load(
                 name=name,
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-Wno-psabi"],
+                # torch rebuilds when a source or a build flag changes: the header's hash is a flag
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-Wno-psabi",
+                              f"-DLEAPDECODE_HEADERS={_headers_tag()}"],
+                extra_include_paths=[str(KERNELS)],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -124,24 +131,6 @@ class BlockQuantized:
     minimum: torch.Tensor | None = None  # [N, K/32] float32 (q4)
 
     @classmethod
-    def from_gguf(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockQuantized | None:
-        """Parse the raw blocks of a 2-D GGUF tensor (``shape`` = [N, K], row-major); None for other formats."""
-        n, k = shape
-        if type_name not in ("Q4_0", "Q4_1", "Q8_0") or k % 32:
-            return None
-        block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // 32, block_bytes)
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if type_name == "Q8_0":
-            q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-            return cls("q8", torch.from_numpy(q), torch.from_numpy(scale))
-        packed = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)  # element j, then j + 16
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if type_name == "Q4_1" else (
-            -8.0 * scale)
-        return cls("q4", torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(minimum))
-
-    @classmethod
     def quantize_q8(cls, weight: torch.Tensor) -> BlockQuantized:
         """Q8_0 blocks of a float weight [N, K] (K a multiple of 32) exactly as gguf / llama.cpp make them: per
         block of 32 inputs d = amax / 127, q = w / d rounded half away from zero, d stored as fp16."""
@@ -158,49 +147,6 @@ class BlockQuantized:
         if self.minimum is not None:
             w = w + self.minimum.unsqueeze(-1)
         return w.reshape(n, k)
-
-    def map_parts(self, fn) -> BlockQuantized:
-        """Apply ``fn`` (e.g. a row permutation) to q, scale and minimum alike."""
-        parts = [None if t is None else fn(t).contiguous() for t in (self.q, self.scale, self.minimum)]
-        return BlockQuantized(self.kind, *parts)
-
-    def shard(self, shard_dim: int | None, parts: list[int] | None) -> BlockQuantized | None:
-        """This tensor-parallel rank's piece (see layers/linear.py ``shard_tensor``); None when a rank's inputs
-        would not hold whole blocks of 32."""
-        from leapdecode.layers.linear import shard_tensor
-        from leapdecode.parallel import tp_size
-
-        if shard_dim is None or tp_size() == 1:
-            return self
-        if shard_dim == 1:
-            if (self.q.shape[1] // tp_size()) % 32:
-                return None
-            return self.map_parts(lambda t: shard_tensor(t, 1))
-        return self.map_parts(lambda t: shard_tensor(t, 0, parts))
-
-    @staticmethod
-    def cat(parts: list[BlockQuantized | None]) -> BlockQuantized | None:
-        """Row-concatenation (fused QKV / gate-up); None unless every part is block-quantized alike."""
-        if any(p is None or p.kind != parts[0].kind for p in parts):
-            return None
-        minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
-        return BlockQuantized(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                              minimum)
-
-    def pack(self) -> torch.Tensor:
-        """The kernel's layout: [N/16, K/32, record] uint8 (see kernels/small_gemm.cpp)."""
-        n, k = self.q.shape
-        nb = k // 32
-
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] f32 -> [N/16, K/32, 64] bytes
-            return t.reshape(n // 16, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
-
-        q = self.q.reshape(n // 16, 16, nb, 16, 2)  # (panel, row j, block, pair i, parity)
-        if self.kind == "q4":
-            pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(n // 16, nb, 256)
-            return torch.cat([per_block(self.scale), per_block(self.minimum), pairs], dim=-1).contiguous()
-        rows = q.view(torch.uint8).permute(0, 2, 3, 4, 1).reshape(n // 16, nb, 512)
-        return torch.cat([per_block(self.scale), rows], dim=-1).contiguous()
 
     def pack_int8_activations(self) -> torch.Tensor:
         """The int8-activation kernel's layout: [N/16, K/32, 6 (q4) or 9 (q8) lines, 64] uint8; in each line
@@ -221,35 +167,48 @@ class BlockQuantized:
         return rec.reshape(n // 16, nb, -1, 64).contiguous()
 
 
-def block_packable(weight: torch.Tensor, bq: BlockQuantized | None) -> bool:
-    """The blocks exist, fit the kernel's shape rules and still reproduce ``weight`` exactly."""
-    return (
-        bq is not None
-        and packable(weight)
-        and tuple(bq.q.shape) == tuple(weight.shape)
-        and weight.shape[1] % 32 == 0
-        and torch.equal(bq.dequantize(), weight)
-    )
+def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether ``x @ W^T`` goes through the packed kernel (inference only: the kernel has no backward): few rows,
+    or any rows for int8-activation records (4-D), whose precision must not depend on the batch."""
+    return (packed is not None and x.dim() == 2 and 0 < x.shape[0] and (x.shape[0] <= MAX_ROWS or packed.dim() == 4)
+            and not x.requires_grad and x.dtype == torch.float32)  # (under autocast x may arrive in bfloat16)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` from ``packed``: float32 panels [N/16, K, 16], block records [N/16, K/32, bytes]
+    (layers/block_formats.py) or int8-activation records [N/16, K/32, lines, 64]; the kernel tells them apart."""
+    y = _ext.packed_linear(x.contiguous(), packed)
+    return y if bias is None else y.add_(bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    """``F.linear`` that takes the packed kernel for few rows (inference only: the kernel has no backward).
-    ``packed`` is a float32 [N/16, K, 16] panel set, a uint8 block-quantized one (its record size says which), or
-    4-D int8-activation records [N/16, K/32, lines, 64], which take every row count."""
-    if (packed is not None and x.dim() == 2 and 0 < x.shape[0] and (x.shape[0] <= MAX_ROWS or packed.dim() == 4)
-            and not x.requires_grad and x.dtype == torch.float32):  # (under autocast x may arrive in bfloat16)
-        # int8-activation records (4-D) serve every row count: the precision must not depend on the batch
-        y = _ext.packed_linear(x.contiguous(), packed)  # dispatches on the format, as the fused layer does
-        return y if bias is None else y.add_(bias)
+    """``F.linear`` that takes the packed kernel when :func:`takes_packed` says so."""
+    if takes_packed(x, packed):
+        return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def _records_for(mod: torch.nn.Module, int8_activations: bool) -> torch.Tensor | None:
+    """The packed form of a layer whose checkpoint blocks are kept (its own or, for a tied LM head, the
+    embedding's): the records themselves, or their int8-activation layout; None for a float layer."""
+    owner = mod.owner() if hasattr(mod, "owner") else mod
+    quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
+    if quant is not None and not int8_activations:
+        return quant.records
+    if not int8_activations or (quant is None and bq is None):
+        return None
+    if bq is None:
+        # q4 / q8 kinds keep their codes; other kinds are rounded once more, to Q8_0, for the int8 kernel
+        bq = quant.to_block_quantized() or BlockQuantized.quantize_q8(quant.dequantize())
+    return bq.pack_int8_activations()
 
 
 def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = True,
            int8_activations: bool = False) -> int:
-    """Give every packable projection of ``model`` (layers with a ``packed`` slot) its packed copy: from the
-    checkpoint's blocks where they reproduce the weight exactly (``use_blocks``; the blocks are then released),
-    else float32 panels. ``int8_activations`` packs block-quantized layers for the int8-activation kernel
-    instead (lossy; float32 panels stay float). Returns how many were packed (0 when the kernel is
+    """Give every projection of ``model`` (layers with a ``packed`` slot) its packed form: the checkpoint's
+    blocks where the loader kept them (``use_blocks``), else float32 panels. ``int8_activations`` packs
+    block-quantized layers for the int8-activation kernel instead (lossy; float32 panels stay float), and
+    releases their records where nothing else reads them. Returns how many were packed (0 when the kernel is
     unavailable). Idempotent."""
     if load_kernel(required) is None:
         return 0
@@ -260,18 +219,15 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
     for mod in model.modules():
         if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (decode_ops.cpp)
             mod.use_kernel = True
-        if not hasattr(mod, "packed"):
-            continue
-        w = mod.get_weight() if hasattr(mod, "get_weight") else mod.weight
-        if mod.packed is None and packable(w):
-            owner = getattr(mod, "tied_to", None) or mod  # a tied LM head reads the embedding's blocks
-            bq = getattr(owner, "block_quantized", None)
-            if use_blocks and block_packable(w, bq):
-                mod.packed = bq.pack_int8_activations() if int8_activations else bq.pack()
-                if not hasattr(mod, "get_weight"):  # the packed records hold it all; an LM head's blocks stay
-                    owner.block_quantized = None  # for drafters that read out a subset of it (pack_rows)
-            else:
-                mod.packed = pack(w)
+        if not hasattr(mod, "packed") or getattr(mod, "looks_up_rows", False):
+            continue  # embeddings look rows up; their LM head (tied or not) is packed
+        if mod.packed is None:
+            mod.packed = _records_for(mod, int8_activations) if use_blocks else None
+            if mod.packed is None:
+                w = mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight()
+                mod.packed = pack(w) if packable(w) else None
+            elif int8_activations and not hasattr(mod, "owner"):
+                mod.quant = mod.block_quantized = None  # the int8 records serve every row count
         n += mod.packed is not None
     if int8_activations and any(isinstance(getattr(m, "packed", None), torch.Tensor) and m.packed.dim() == 4
                                 for m in model.modules()):
@@ -348,16 +304,23 @@ def enable_int8_drafting(module: torch.nn.Module) -> int:
 def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch.Tensor,
               int8_activations: bool = False) -> torch.Tensor | None:
     """A packed copy of ``weight`` = rows ``rows`` (None = all) of an LM head's weight, for the kernel: from the
-    head's checkpoint blocks when they reproduce it exactly (for the int8-activation kernel if asked), else
-    float32 panels; None without the kernel."""
+    head's checkpoint records when the loader kept them (for the int8-activation kernel if asked), else float32
+    panels; None without the kernel."""
     if load_kernel() is None or not packable(weight):
         return None
-    bq = getattr(getattr(lm_head, "tied_to", None) or lm_head, "block_quantized", None)
-    if bq is not None and rows is not None:
-        bq = bq.map_parts(lambda t: t.index_select(0, rows.to(t.device)))
-    if not block_packable(weight, bq):
+    owner = lm_head.owner() if hasattr(lm_head, "owner") else lm_head
+    quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
+    if quant is not None:
+        quant = quant if rows is None else quant.select_rows(rows)
+        if quant is not None and not int8_activations:
+            return quant.records
+        bq = None if quant is None else quant.to_block_quantized() or BlockQuantized.quantize_q8(weight)
+    elif bq is not None and rows is not None:
+        bq = BlockQuantized(bq.kind, *[None if t is None else t.index_select(0, rows.to(t.device)).contiguous()
+                                       for t in (bq.q, bq.scale, bq.minimum)])  # fmt: skip
+    if bq is None or not int8_activations:
         return pack(weight)
-    return bq.pack_int8_activations() if int8_activations else bq.pack()
+    return bq.pack_int8_activations()
 
 
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int) -> None:
@@ -431,7 +394,8 @@ def decoder_stack(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin_sig
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
-    """How many layers of ``model`` use each kernel format: {"float32", "q4", "q8", "q4-int8act", "q8-int8act"}."""
+    """How many layers of ``model`` use each kernel format: "float32", a record kind ("q4", "q8", "q8m", "q8s",
+    "q4s", "q8g"; layers/block_formats.py), "q4-int8act" or "q8-int8act"."""
     counts: dict[str, int] = {}
     for mod in model.modules():
         p = getattr(mod, "packed", None)
@@ -441,6 +405,6 @@ def packed_formats(model: torch.nn.Module) -> dict[str, int]:
             elif p.dim() == 4:  # int8-activation records
                 kind = "q4-int8act" if p.shape[2] == A8_Q4_LINES else "q8-int8act"
             else:
-                kind = "q4" if p.shape[2] == Q4_RECORD else "q8"
+                kind = RECORD_KINDS[p.shape[2]]
             counts[kind] = counts.get(kind, 0) + 1
     return counts

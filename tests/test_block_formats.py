@@ -1,0 +1,91 @@
+"""GGUF weights kept in their blocks: every supported type repacked into kernel records, rebuilt bitwise as gguf
+dequantises it, and multiplied by the few-row kernel bitwise as the float32 panels of the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+from leapdecode.layers import small_gemm
+from leapdecode.layers.block_formats import KIND_OF_TYPE, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(small_gemm.load_kernel() is None, reason="CPU kernel unavailable")
+
+# byte offsets of each block's fp16 scale fields: random bytes elsewhere are valid codes and packed sub-scales
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw GGUF blocks [n, row bytes] of random codes and sub-scales with sane fp16 scales."""
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in HALF_FIELDS[type_name]:
+        scales = (rng.uniform(0.002, 0.05, size=(n, k // block)) * rng.choice([-1, 1], size=(n, k // block)))
+        raw[..., off: off + 2] = scales.astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def reference(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[type_name]), np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("type_name", sorted(KIND_OF_TYPE))
+def test_records_rebuild_gguf_weights_and_kernel_matches_float_panels(type_name):
+    n, k = 48, 512
+    raw = random_blocks(type_name, n, k, seed=len(type_name))
+    ref = reference(type_name, raw, (n, k))
+    qw = QuantizedWeight.from_gguf([(type_name, raw, (n, k))])
+    assert qw.kind == KIND_OF_TYPE[type_name] and qw.shape == (n, k)
+    assert torch.equal(qw.dequantize(), ref)
+    rows = torch.tensor([5, 0, 47, 16])
+    assert torch.equal(qw.dequantize(rows), ref[rows])
+    panels = small_gemm.pack(ref)
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 2, 5, 8, 9, 17, 64):
+        x = torch.randn(m, k, generator=g)
+        y = small_gemm.packed_linear(x, qw.records, None)
+        assert torch.equal(y, small_gemm.packed_linear(x, panels, None)), (type_name, m)
+        bound = 1e-5 * (x.abs().double() @ ref.abs().double().T) + 1e-6  # float32 summation error, generously
+        assert ((y.double() - x.double() @ ref.double().T).abs() <= bound).all(), (type_name, m)
+        assert torch.equal(y[:1], small_gemm.packed_linear(x[:1], qw.records, None))  # row-count invariant
+
+
+def test_fused_parts_of_different_kinds_take_the_general_kind():
+    k = 256
+    order = np.random.default_rng(0).permutation(16)  # a part read in another row order (llama.cpp's Q/K)
+    parts = [("Q4_K", random_blocks("Q4_K", 32, k, 1), (32, k)), ("Q6_K", random_blocks("Q6_K", 16, k, 2), (16, k)),
+             ("Q5_0", random_blocks("Q5_0", 16, k, 3), (16, k), order)]  # fmt: skip
+    qw = QuantizedWeight.from_gguf(parts)
+    ref = torch.cat([reference(*p[:3]) for p in parts[:2]] + [reference(*parts[2][:3])[order]])
+    assert qw.kind == "q8g" and qw.source == "Q4_K+Q6_K+Q5_0"
+    assert torch.equal(qw.dequantize(), ref)
+    x = torch.randn(3, k)
+    panels = small_gemm.pack(ref)
+    assert torch.equal(small_gemm.packed_linear(x, qw.records, None), small_gemm.packed_linear(x, panels, None))
+    same = QuantizedWeight.from_gguf(parts[:1] * 2)  # parts of one kind keep it
+    assert same.kind == "q4" and torch.equal(same.dequantize(), torch.cat([ref[:32], ref[:32]]))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q2_K"])
+def test_select_rows_keeps_the_kind(type_name):
+    n, k = 64, 256
+    raw = random_blocks(type_name, n, k, seed=7)
+    qw = QuantizedWeight.from_gguf([(type_name, raw, (n, k))])
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:32]
+    sub = qw.select_rows(rows)
+    assert sub.kind == qw.kind and torch.equal(sub.dequantize(), qw.dequantize(rows))
+    assert qw.select_rows(rows[:5]) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q8_0", "Q5_0"])
+def test_int8_activation_layout_from_records(type_name):
+    n, k = 32, 256
+    raw = random_blocks(type_name, n, k, seed=3)
+    qw = QuantizedWeight.from_gguf([(type_name, raw, (n, k))])
+    bq = qw.to_block_quantized()
+    assert torch.equal(bq.dequantize(), qw.dequantize())
