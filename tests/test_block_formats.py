@@ -68,7 +68,7 @@ def test_fused_parts_of_different_kinds_take_the_general_kind():
     panels = small_gemm.pack(ref)
     assert torch.equal(small_gemm.packed_linear(x, qw.records, None), small_gemm.packed_linear(x, panels, None))
     same = QuantizedWeight.from_gguf(parts[:1] * 2)  # parts of one kind keep it
-    assert same.kind == "q4" and torch.equal(same.dequantize(), torch.cat([ref[:32], ref[:32]]))
+    assert same.kind == "q4k" and torch.equal(same.dequantize(), torch.cat([ref[:32], ref[:32]]))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q2_K"])

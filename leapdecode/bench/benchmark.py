@@ -65,6 +65,8 @@ class Row:
     verified_rows: float | None = None
     ceiling: float | None = None
     num_draft_tokens: int = 0
+    load_s: float | None = None  # the system's model load time (first `none` row and external systems)
+    peak_rss_mb: float | None = None  # its process's peak resident memory after load and the first request
 
 
 def machine_info() -> str:
@@ -250,7 +252,41 @@ def run_isolated(fn, *args, what: str):
         return None
 
 
-def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int]) -> Row | None:
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (VmHWM), in MiB."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def llamacpp_step_costs(llm, context: list[int], sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16),
+                        repeats: int = 7) -> list[tuple[int, float]]:
+    """llama.cpp's time to evaluate n new tokens after ``context`` (median of ``repeats``): its verification cost
+    curve, measured as the engine's own step costs are."""
+    llm.reset()
+    llm.eval(context)
+    out = []
+    for n in sizes:
+        ts = []
+        for r in range(repeats):
+            llm.n_tokens = len(context)  # eval drops the cache beyond n_tokens first
+            t0 = time.perf_counter()
+            llm.eval([(context[-1] + i + r) % 1000 + 100 for i in range(n)])
+            ts.append(time.perf_counter() - t0)
+        out.append((n, _median(ts)))
+    return out
+
+
+def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int],
+                 ceiling_context: int = 0) -> tuple[Row, list[tuple[int, float]]] | None:
+    """llama.cpp on the same prompts (batch 1, greedy), in a child process (run_isolated): its row, and with
+    ``ceiling_context`` its step cost by evaluated rows."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -260,7 +296,9 @@ def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int
     if model_path.is_dir():
         print("llama.cpp needs a .gguf model; skipping", file=sys.stderr)
         return None
+    t_load = time.perf_counter()
     llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+    load_s = time.perf_counter() - t_load
     tps, ttft, tpot, toks = [], [], [], []
     for ids in tqdm(prompts_ids, desc="llama.cpp", leave=False):
         llm.reset()
@@ -281,8 +319,10 @@ def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int
         ttft.append(((first or t0) - t0) * 1e3)
         if len(gen) > 1:
             tpot.append((w - ((first or t0) - t0)) * 1e3 / (len(gen) - 1))
-    return Row("llama.cpp", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
-               _median(tpot), token_ids=toks)
+    row = Row("llama.cpp", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
+              _median(tpot), token_ids=toks, load_s=load_s, peak_rss_mb=peak_rss_mb())
+    ctx = (prompts_ids[0] * (ceiling_context // max(1, len(prompts_ids[0])) + 1))[:ceiling_context]
+    return row, (llamacpp_step_costs(llm, ctx) if ceiling_context else [])
 
 
 def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
@@ -331,8 +371,10 @@ def _cells(values: tuple[tuple[float | None, str], ...]) -> str:
 def format_table(rows: list[Row]) -> str:
     drift = any(r.ppl is not None for r in rows)
     ceiling = any(r.ceiling is not None for r in rows)
+    memory = any(r.peak_rss_mb is not None for r in rows)
     extra = ((" verified rows | ceiling (free drafting) |" if ceiling else "")
-             + (" greedy agreement | top-1 share | ppl |" if drift else ""))
+             + (" greedy agreement | top-1 share | ppl |" if drift else "")
+             + (" load s | peak RSS MiB |" if memory else ""))
     head = ("| system | method | batch | tok/s | TTFT ms | TPOT ms | mean accepted | speedup | identical to none "
             "| weight GB/s |" + extra)
     lines = [head, "|" + "---|" * (10 + extra.count("|"))]
@@ -346,6 +388,8 @@ def format_table(rows: list[Row]) -> str:
             line += _cells(((r.verified_rows, ".2f"), (r.ceiling, ".2f")))
         if drift:
             line += _cells(((r.agreement, ".3f"), (r.top1_share, ".3f"), (r.ppl, ".3f")))
+        if memory:
+            line += _cells(((r.load_s, ".2f"), (r.peak_rss_mb, ".0f")))
         lines.append(line)
     return "\n".join(lines)
 
@@ -371,8 +415,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
         else args.command_line
     kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
+    t_load = time.perf_counter()
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
                linear_kernel=kernels[0])
+    load_s = time.perf_counter() - t_load
     eng = base.engine
     tok = eng.tokenizer
     if args.raw:
@@ -381,7 +427,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts_ids = [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     if args.max_prompt_tokens:
         prompts_ids = [ids[-args.max_prompt_tokens:] for ids in prompts_ids]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
+    peak_mb = peak_rss_mb()  # load + one full request, before the bandwidth probe's buffer
     # the bandwidth probe streams 512 MB, which evicts the Q4 weights (112 MB for SmolLM2) from a large L3: probe
     # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
     # caches, first-touch page faults of the KV pool or the allocator's growth
@@ -396,6 +444,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"- model: {eng.model_path} ({wbytes / 1e6:.0f} MB of weights read per decode step; {args.dtype} compute, "
         f"kernel formats {packed_formats(eng.model) or 'none (torch linear)'})",
         f"- measured read bandwidth: {bw:.1f} GB/s (sum over a 512 MB buffer)",
+        f"- leapdecode load: {load_s:.2f} s; peak RSS after load and one request: {peak_mb:.0f} MiB (KV pool "
+        f"{eng.kv_cache.nbytes / 2**20:.0f} MiB)",
         "",
     ]
     print("\n".join(header), flush=True)
@@ -424,13 +474,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if r:
                 r.kernel = tag
                 rows.append(r)
-    eos = list(eng.eos_token_ids)
+    eos = [] if args.ignore_eos else list(eng.eos_token_ids)
+    first_none = next(r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel)
+    first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
+    llamacpp_costs: list[tuple[int, float]] = []
     if "hf" in compare:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
     if "llama.cpp" in compare:
-        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, what="llama.cpp")
+        context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
+        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos,
+                         context if args.ceiling else 0, what="llama.cpp")
         if r:
-            rows.append(r)
+            rows.append(r[0])
+            llamacpp_costs = r[1]
     plain = {(r.kernel, r.batch): r for r in rows if r.system == "leapdecode" and r.method.split(" [")[0] == "none"}
     ref = {b: r for (k, b), r in plain.items() if k == ""}
     for r in rows:
@@ -456,6 +512,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             step_costs[tag] = costs.points
             print(f"target step time by verified rows{f' [{tag}]' if tag else ''} at {context} cached tokens: "
                   + ", ".join(f"{n}: {t * 1e3:.2f} ms ({t / costs(1):.2f}x)" for n, t in costs.points), flush=True)
+        if llamacpp_costs:
+            step_costs["llama.cpp"] = llamacpp_costs
     table = format_table(rows)
     if args.prefix_reuse:
         table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
@@ -529,6 +587,9 @@ def add_cli(sub) -> None:
                    "automatic when a row used a lossy acceptance rule")
     p.add_argument("--compare", default=None, help="comma list: hf (HF transformers generate), llama.cpp")
     p.add_argument("--no-batched", action="store_true", help="skip the all-prompts-at-once batched rows")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens whatever the model says (every system alike): for speed runs "
+                        "on random-weight models, whose text is noise")
     p.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of chat-templated")
     p.add_argument("--prefix-reuse", action="store_true",
                    help="also time a cold and a warm request sharing a long prefix (prefix-cache TTFT)")

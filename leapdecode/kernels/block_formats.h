@@ -14,34 +14,47 @@
 //   Q8G   any (fused layers whose parts differ in kind)
 //                        s f32 [2] | m f32 [2] | 32 x int8 code                           768  s[h] / m[h]
 //
+// The K-quants' own kinds cover a whole super-block of 256 inputs per record (8 sub-blocks sb of 32), so the
+// super-block's d is stored once, as the file does (4.75 and 6.6 bits per weight instead of 6 and 9.5):
+//   Q4K   Q4_K           d f32 | dmin f32 | sc u8 [8] | mq u8 [8] | 8 x 16 pairs of nibbles    2432  d * sc[sb] / -(dmin * mq[sb])
+//   Q6K   Q6_K           d f32 | sc int8 [16] | 8 x 16 pairs of low nibbles | 8 x 8 bytes of 4 high 2-bit parts
+//                                                                                         3392  d * sc[2 sb + h] / 0
+//   (a Q6K code is (low | high << 4) - 32; high byte i2 holds inputs 4 i2 .. 4 i2 + 3, two bits each)
+//
 // Each scale and minimum is computed by exactly the float32 operations gguf's own dequantisation uses, and every
 // product code * scale is exact in float32 except for Q6_K, where it is the same single rounding gguf makes; so
 // the rebuilt weights are bitwise gguf's float32 weights, whichever kernel or fused path rebuilds them.
 #pragma once
 #include <cstdint>
 
-enum RecordKind : int { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5 };
+enum RecordKind : int {
+  KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5, KIND_Q4K = 6, KIND_Q6K = 7
+};
 
 constexpr int64_t record_bytes(int kind) {
   return kind == KIND_Q4 ? 384 : kind == KIND_Q8 ? 576 : kind == KIND_Q8M ? 640 : kind == KIND_Q8S ? 608
-       : kind == KIND_Q4S ? 448 : 768;
+       : kind == KIND_Q4S ? 448 : kind == KIND_Q8G ? 768 : kind == KIND_Q4K ? 2432 : 3392;
 }
+
+// inputs one record covers: a block of 32, or a K-quant super-block of 256
+constexpr int64_t kind_span(int kind) { return kind == KIND_Q4K || kind == KIND_Q6K ? 256 : 32; }
 
 // the record kind of a packed tensor's last dimension (the sizes are distinct), or -1
 constexpr int kind_of_record(int64_t bytes) {
   return bytes == 384 ? KIND_Q4 : bytes == 576 ? KIND_Q8 : bytes == 640 ? KIND_Q8M : bytes == 608 ? KIND_Q8S
-       : bytes == 448 ? KIND_Q4S : bytes == 768 ? KIND_Q8G : -1;
+       : bytes == 448 ? KIND_Q4S : bytes == 768 ? KIND_Q8G : bytes == 2432 ? KIND_Q4K : bytes == 3392 ? KIND_Q6K
+       : -1;
 }
 
-constexpr bool kind_nibbles(int kind) { return kind == KIND_Q4 || kind == KIND_Q4S; }
+constexpr bool kind_nibbles(int kind) { return kind == KIND_Q4 || kind == KIND_Q4S || kind == KIND_Q4K; }
 constexpr bool kind_unsigned(int kind) { return kind == KIND_Q8M; }  // byte codes 0..255 (the others: int8)
 constexpr int64_t kind_codes_offset(int kind) {
   return kind == KIND_Q4 ? 128 : kind == KIND_Q8 ? 64 : kind == KIND_Q8M ? 128 : kind == KIND_Q8S ? 96
-       : kind == KIND_Q4S ? 192 : 256;
+       : kind == KIND_Q4S ? 192 : kind == KIND_Q4K ? 384 : kind == KIND_Q6K ? 320 : 256;
 }
 
-// Row j's scale and minimum for block half h of one record, computed as the kernels and gguf compute them.
-inline void record_scale(int kind, const uint8_t* rec, int h, int j, float& s, float& m) {
+// Row j's scale and minimum for block half h of sub-block sb of one record, as the kernels and gguf compute them.
+inline void record_scale(int kind, const uint8_t* rec, int sb, int h, int j, float& s, float& m) {
   auto f32 = [&](int64_t off) {
     float v;
     __builtin_memcpy(&v, rec + off + 4 * j, 4);
@@ -52,13 +65,20 @@ inline void record_scale(int kind, const uint8_t* rec, int h, int j, float& s, f
     case KIND_Q8: s = f32(0), m = 0.f; break;
     case KIND_Q8S: s = f32(0) * float(static_cast<int8_t>(rec[64 + 16 * h + j])), m = 0.f; break;
     case KIND_Q4S: s = f32(0) * float(rec[128 + 16 * h + j]), m = -(f32(64) * float(rec[160 + 16 * h + j])); break;
+    case KIND_Q4K: s = f32(0) * float(rec[128 + 16 * sb + j]), m = -(f32(64) * float(rec[256 + 16 * sb + j])); break;
+    case KIND_Q6K: s = f32(0) * float(static_cast<int8_t>(rec[64 + 16 * (2 * sb + h) + j])), m = 0.f; break;
     default: s = f32(64 * h), m = f32(128 + 64 * h);
   }
 }
 
-// Code of row j, input t (0..31) of one record.
-inline int record_code(int kind, const uint8_t* rec, int j, int t) {
-  const uint8_t* c = rec + kind_codes_offset(kind);
+// Code of row j, input t (0..31) of sub-block sb of one record.
+inline int record_code(int kind, const uint8_t* rec, int sb, int j, int t) {
+  if (kind == KIND_Q6K) {
+    const int lo = (rec[320 + 256 * sb + (t / 2) * 16 + j] >> (4 * (t % 2))) & 15;
+    const int hi = (rec[2368 + 128 * sb + (t / 4) * 16 + j] >> (2 * (t % 4))) & 3;
+    return (lo | (hi << 4)) - 32;
+  }
+  const uint8_t* c = rec + kind_codes_offset(kind) + (kind == KIND_Q4K ? 256 * sb : 0);
   if (kind_nibbles(kind)) return (c[(t / 2) * 16 + j] >> (4 * (t % 2))) & 15;
   const uint8_t b = c[t * 16 + j];
   return kind_unsigned(kind) ? int(b) : int(static_cast<int8_t>(b));

@@ -39,10 +39,12 @@ static bool is_k_quant(int t) { return t >= T_Q2_K && t <= T_Q6_K; }
 
 int64_t natural_kind(int64_t t) {
   switch (t) {
-    case T_Q4_0: case T_Q4_1: case T_Q4_K: return KIND_Q4;
+    case T_Q4_0: case T_Q4_1: return KIND_Q4;
+    case T_Q4_K: return KIND_Q4K;
     case T_Q8_0: case T_Q5_0: return KIND_Q8;
     case T_Q5_1: case T_Q5_K: return KIND_Q8M;
-    case T_Q6_K: case T_Q3_K: return KIND_Q8S;
+    case T_Q6_K: return KIND_Q6K;
+    case T_Q3_K: return KIND_Q8S;
     case T_Q2_K: return KIND_Q4S;
   }
   return -1;
@@ -60,6 +62,7 @@ struct Block32 {
   float d = 0.f, m = 0.f;             // Q4 / Q8 / Q8M: scale and minimum; Q8S / Q4S: the super-block's d (and dmin)
   int sc[2] = {0, 0}, mq[2] = {0, 0};  // Q8S: per-half scales; Q4S: per-half scales and minimum multipliers
   float es[2] = {0.f, 0.f}, em[2] = {0.f, 0.f};  // per-half scale and minimum as floats (Q8G)
+  float dsup = 0.f, dmin = 0.f;  // Q4_K / Q5_K: the super-block's d and dmin (Q4K keeps them beside sc[0], mq[0])
 };
 
 // Q4_K / Q5_K: the 6-bit scale and minimum multiplier of sub-block s, from the 12 packed bytes
@@ -102,7 +105,8 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
     case T_Q4_K: case T_Q5_K: {
       int scale, min;
       k_scale_min(sb + 4, s, scale, min);
-      const float d = half(sb) * float(scale), m = -(half(sb + 2) * float(min));
+      o.dsup = half(sb), o.dmin = half(sb + 2), o.sc[0] = scale, o.mq[0] = min;
+      const float d = o.dsup * float(scale), m = -(o.dmin * float(min));
       const uint8_t* qs = sb + (type == T_Q4_K ? 16 : 48);
       for (int t = 0; t < 32; ++t) {
         int q = (qs[32 * (s / 2) + t] >> (4 * (s % 2))) & 15;
@@ -164,10 +168,18 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
 
 static void put_f32(uint8_t* rec, int64_t off, int j, float v) { std::memcpy(rec + off + 4 * j, &v, 4); }
 
-// write row j's share of one record of the given kind
-static void write_record(int kind, const Block32& o, uint8_t* rec, int j) {
-  const int64_t c = kind_codes_offset(kind);
-  if (kind_nibbles(kind)) {
+// write row j's share of sub-block sb of one record of the given kind
+static void write_record(int kind, const Block32& o, uint8_t* rec, int j, int sb) {
+  const int64_t c = kind_codes_offset(kind) + (kind == KIND_Q4K ? 256 * sb : 0);
+  if (kind == KIND_Q6K) {
+    for (int i = 0; i < 16; ++i)
+      rec[320 + 256 * sb + i * 16 + j] = uint8_t(((o.q[2 * i] + 32) & 15) | (((o.q[2 * i + 1] + 32) & 15) << 4));
+    for (int i = 0; i < 8; ++i) {
+      int hi = 0;
+      for (int u = 0; u < 4; ++u) hi |= (((o.q[4 * i + u] + 32) >> 4) & 3) << (2 * u);
+      rec[2368 + 128 * sb + i * 16 + j] = uint8_t(hi);
+    }
+  } else if (kind_nibbles(kind)) {
     for (int i = 0; i < 16; ++i) rec[c + i * 16 + j] = uint8_t(o.q[2 * i] | (o.q[2 * i + 1] << 4));
   } else {
     for (int t = 0; t < 32; ++t) rec[c + t * 16 + j] = uint8_t(o.q[t] & 255);
@@ -178,6 +190,14 @@ static void write_record(int kind, const Block32& o, uint8_t* rec, int j) {
     case KIND_Q8S:
       put_f32(rec, 0, j, o.d);
       for (int h = 0; h < 2; ++h) rec[64 + 16 * h + j] = uint8_t(static_cast<int8_t>(o.sc[h]));
+      break;
+    case KIND_Q4K:
+      put_f32(rec, 0, j, o.dsup), put_f32(rec, 64, j, o.dmin);
+      rec[128 + 16 * sb + j] = uint8_t(o.sc[0]), rec[256 + 16 * sb + j] = uint8_t(o.mq[0]);
+      break;
+    case KIND_Q6K:
+      put_f32(rec, 0, j, o.d);
+      for (int h = 0; h < 2; ++h) rec[64 + 16 * (2 * sb + h) + j] = uint8_t(static_cast<int8_t>(o.sc[h]));
       break;
     case KIND_Q4S:
       put_f32(rec, 0, j, o.d), put_f32(rec, 64, j, o.m);
@@ -200,7 +220,9 @@ void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Ten
               "repack_gguf: out must be a contiguous [N/16, K/32, bytes] uint8 tensor");
   const int kind = kind_of_record(out.size(2));
   TORCH_CHECK(kind == natural_kind(type) || kind == KIND_Q8G, "repack_gguf: type ", type, " cannot be kind ", kind);
-  const int64_t N = raw.size(0), nb = out.size(1), K = nb * 32, REC = out.size(2);
+  const int64_t span = kind_span(kind), subs = span / 32;
+  const int64_t N = raw.size(0), nrec = out.size(1), K = nrec * span, nb = K / 32, REC = out.size(2);
+  TORCH_CHECK(kind >= 0, "repack_gguf: unknown record size ", out.size(2));
   TORCH_CHECK(out.size(0) * 16 == N, "repack_gguf: out holds ", out.size(0) * 16, " rows, raw ", N);
   TORCH_CHECK(K % per_block == 0 && raw.size(1) == K / per_block * bb, "repack_gguf: row bytes do not match K");
   auto idx = rows.to(torch::kLong).contiguous();
@@ -218,7 +240,7 @@ void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Ten
         for (int64_t b = 0; b < nb; ++b) {
           if (per_block == 256) decode_k(int(type), row + (b / 8) * bb, int(b % 8), o);
           else decode_legacy(int(type), row + b * bb, o);
-          write_record(kind, o, dst + (p * nb + b) * REC, j);
+          write_record(kind, o, dst + (p * nrec + b / subs) * REC, j, int(b % subs));
         }
       }
   });
@@ -231,7 +253,9 @@ torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows) {
   const int kind = kind_of_record(records.size(2));
   TORCH_CHECK(kind >= 0, "unpack_records: unknown record size ", records.size(2));
   auto idx = rows.to(torch::kLong).contiguous();
-  const int64_t R = idx.size(0), nb = records.size(1), K = nb * 32, REC = records.size(2), N = records.size(0) * 16;
+  const int64_t span = kind_span(kind), subs = span / 32;
+  const int64_t R = idx.size(0), nrec = records.size(1), K = nrec * span, REC = records.size(2);
+  const int64_t N = records.size(0) * 16;
   auto out = torch::empty({R, K}, records.options().dtype(torch::kFloat32));
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "unpack_records: row ", ip[r], " out of range");
@@ -241,13 +265,14 @@ torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t p = ip[r] / 16;
       const int j = int(ip[r] % 16);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* rec = src + (p * nb + b) * REC;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* rec = src + (p * nrec + b / subs) * REC;
+        const int sb = int(b % subs);
         for (int h = 0; h < 2; ++h) {
           float s, m;
-          record_scale(kind, rec, h, j, s, m);
+          record_scale(kind, rec, sb, h, j, s, m);
           for (int t = 16 * h; t < 16 * h + 16; ++t)
-            dst[r * K + b * 32 + t] = float(record_code(kind, rec, j, t)) * s + m;
+            dst[r * K + b * 32 + t] = float(record_code(kind, rec, sb, j, t)) * s + m;
         }
       }
     }

@@ -119,10 +119,11 @@ struct BlockPanel {
   const uint8_t* records;
   template <class F>
   void operator()(int64_t k0, int ho, F&& f) const {
-    constexpr int64_t REC = record_bytes(KIND);
-    const uint8_t* rec = records + (k0 / 32) * REC;
-    if (ho == 0)
-      for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
+    constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
+    const uint8_t* rec = records + (k0 / SPAN) * REC;
+    const int sb = int((k0 % SPAN) / 32);
+    if (ho == 0)  // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
+      for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(rec + sb * SUB + PREFETCH_RECORDS * SUB + line);
     auto f32 = [&](int64_t off) { return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + off) + 8 * ho); };
     auto bytes = [&](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * ho)); };
     auto i8f = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); };
@@ -139,14 +140,29 @@ struct BlockPanel {
       }
     } else if constexpr (KIND == KIND_Q8G) {
       for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
+    } else if constexpr (KIND == KIND_Q4K) {
+      s[0] = s[1] = _mm256_mul_ps(f32(0), u8f(rec + 128 + 16 * sb));
+      m[0] = m[1] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f32(64), u8f(rec + 256 + 16 * sb)));
+    } else if constexpr (KIND == KIND_Q6K) {
+      for (int h = 0; h < 2; ++h)
+        s[h] = _mm256_mul_ps(f32(0), i8f(rec + 64 + 16 * (2 * sb + h))), m[h] = _mm256_setzero_ps();
     } else {
       s[0] = s[1] = f32(0), m[0] = m[1] = _mm256_setzero_ps();
     }
-    const uint8_t* c = rec + kind_codes_offset(KIND);
+    const uint8_t* c = rec + kind_codes_offset(KIND) + (KIND == KIND_Q4K ? 256 * sb : 0);
     for (int i = 0; i < 16; ++i) {
       const int h = i / 8;
       __m256 w0, w1;
-      if constexpr (kind_nibbles(KIND)) {
+      if constexpr (KIND == KIND_Q6K) {
+        const __m256i lo = _mm256_cvtepu8_epi32(bytes(c + 256 * sb + i * 16));
+        const __m256i hi = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes(rec + 2368 + 128 * sb + (i / 2) * 16)),
+                                             4 * (i % 2));
+        const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32), low4 = _mm256_set1_epi32(15);
+        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
+        const __m256i q1 = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
+        w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, bias)), w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, bias));
+      } else if constexpr (kind_nibbles(KIND)) {
         const __m256i b = _mm256_cvtepu8_epi32(bytes(c + i * 16));
         w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
         w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
@@ -155,7 +171,7 @@ struct BlockPanel {
       } else {
         w0 = i8f(c + i * 32), w1 = i8f(c + i * 32 + 16);
       }
-      if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S) {
+      if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S || KIND == KIND_Q6K) {
         w0 = _mm256_mul_ps(w0, s[h]), w1 = _mm256_mul_ps(w1, s[h]);
       } else {
         w0 = _mm256_add_ps(_mm256_mul_ps(w0, s[h]), m[h]), w1 = _mm256_add_ps(_mm256_mul_ps(w1, s[h]), m[h]);
@@ -261,7 +277,7 @@ static inline v16f uint8s_to_floats(const uint8_t* p) {
 
 // One record's scale and minimum for its two block halves (inputs 0-15 and 16-31), as block_formats.h defines them
 template <int KIND>
-static inline void record_header(const uint8_t* rec, v16f* s, v16f* m) {
+static inline void record_header(const uint8_t* rec, int sb, v16f* s, v16f* m) {
   auto f32 = [&](int64_t off) {
     v16f v;
     __builtin_memcpy(&v, rec + off, 64);
@@ -276,24 +292,56 @@ static inline void record_header(const uint8_t* rec, v16f* s, v16f* m) {
       s[h] = f32(0) * uint8s_to_floats(rec + 128 + 16 * h), m[h] = -(f32(64) * uint8s_to_floats(rec + 160 + 16 * h));
   } else if constexpr (KIND == KIND_Q8G) {
     for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
+  } else if constexpr (KIND == KIND_Q4K) {
+    s[0] = s[1] = f32(0) * uint8s_to_floats(rec + 128 + 16 * sb);
+    m[0] = m[1] = -(f32(64) * uint8s_to_floats(rec + 256 + 16 * sb));
+  } else if constexpr (KIND == KIND_Q6K) {
+    for (int h = 0; h < 2; ++h) s[h] = f32(0) * int8s_to_floats(rec + 64 + 16 * (2 * sb + h)), m[h] = v16f{};
   } else {
     s[0] = s[1] = f32(0), m[0] = m[1] = v16f{};
   }
 }
 
+#ifdef __AVX512F__
+// Q6K: the codes of inputs 2i, 2i + 1 of sub-block sb, (low | high << 4) - 32, as floats
+static inline void q6k_pair(const uint8_t* rec, int sb, int i, v16f& w0, v16f& w1) {
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 320 + 256 * sb + i * 16)));
+  const __m512i hi = _mm512_srli_epi32(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2368 + 128 * sb + (i / 2) * 16))),
+      4 * (i % 2));
+  const __m512i three = _mm512_set1_epi32(3), low4 = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(32);
+  const __m512i q0 = _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_slli_epi32(_mm512_and_si512(hi, three), 4));
+  const __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(lo, 4),
+                                     _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2), three), 4));
+  w0 = (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, bias));
+  w1 = (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, bias));
+}
+#else
+static inline void q6k_pair(const uint8_t* rec, int sb, int i, v16f& w0, v16f& w1) {
+  for (int j = 0; j < 16; ++j) {
+    const int lo = rec[320 + 256 * sb + i * 16 + j], hi = rec[2368 + 128 * sb + (i / 2) * 16 + j] >> (4 * (i % 2));
+    w0[j] = float(((lo & 15) | ((hi & 3) << 4)) - 32);
+    w1[j] = float(((lo >> 4) | (((hi >> 2) & 3) << 4)) - 32);
+  }
+}
+#endif
+
 // The 32 x 16 float32 weights of one record, w0 = inputs k0 + 2i, w1 = k0 + 2i + 1 for the 16 outputs.
 template <int KIND>
-static inline void dequant_pair(const uint8_t* rec, int i, const v16f* s, const v16f* m, v16f& w0, v16f& w1) {
+static inline void dequant_pair(const uint8_t* rec, int sb, int i, const v16f* s, const v16f* m, v16f& w0,
+                                v16f& w1) {
   const int h = i / 8;
-  const uint8_t* c = rec + kind_codes_offset(KIND);
-  if constexpr (kind_nibbles(KIND)) {
+  const uint8_t* c = rec + kind_codes_offset(KIND) + (KIND == KIND_Q4K ? 256 * sb : 0);
+  if constexpr (KIND == KIND_Q6K) {
+    q6k_pair(rec, sb, i, w0, w1);
+  } else if constexpr (kind_nibbles(KIND)) {
     nibbles_to_floats(c + i * 16, w0, w1);
   } else if constexpr (kind_unsigned(KIND)) {
     w0 = uint8s_to_floats(c + i * 32), w1 = uint8s_to_floats(c + i * 32 + 16);
   } else {
     w0 = int8s_to_floats(c + i * 32), w1 = int8s_to_floats(c + i * 32 + 16);
   }
-  if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S) {
+  if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S || KIND == KIND_Q6K) {
     w0 = w0 * s[h], w1 = w1 * s[h];
   } else {
     w0 = w0 * s[h] + m[h], w1 = w1 * s[h] + m[h];
@@ -303,15 +351,18 @@ static inline void dequant_pair(const uint8_t* rec, int i, const v16f* s, const 
 // f(k, w0, w1) for every input pair (k, k + 1) of one panel, in k order, with its 16 + 16 rebuilt weights
 template <int KIND, class F>
 static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
-  constexpr int64_t REC = record_bytes(KIND);
-  for (int64_t k0 = 0; k0 < K; k0 += 32, rec += REC) {
-    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
-    v16f s[2], m[2];
-    record_header<KIND>(rec, s, m);
-    for (int i = 0; i < 16; ++i) {
-      v16f w0, w1;
-      dequant_pair<KIND>(rec, i, s, m, w0, w1);
-      f(k0 + 2 * i, w0, w1);
+  constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
+  for (int64_t k0 = 0; k0 < K; k0 += SPAN, rec += REC) {
+    for (int sb = 0; sb < SPAN / 32; ++sb) {
+      // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
+      for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(rec + sb * SUB + PREFETCH_RECORDS * SUB + line);
+      v16f s[2], m[2];
+      record_header<KIND>(rec, sb, s, m);
+      for (int i = 0; i < 16; ++i) {
+        v16f w0, w1;
+        dequant_pair<KIND>(rec, sb, i, s, m, w0, w1);
+        f(k0 + 32 * sb + 2 * i, w0, w1);
+      }
     }
   }
 }
@@ -340,13 +391,13 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
                   packed.is_contiguous(),
               "quant_linear: packed weight must be a contiguous [N/16, K/32, record] uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 32 == K, "quant_linear: K mismatch");
+  TORCH_CHECK(packed.size(1) * kind_span(KIND) == K, "quant_linear: K mismatch");
   TORCH_CHECK(M >= 1 && M <= 64, "quant_linear: 1..64 rows");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = (K / 32) * REC;
+  const int64_t panel_bytes = packed.size(1) * REC;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
 #ifdef HALF_PANELS
     for (int64_t p = begin; p < end; ++p)
@@ -640,6 +691,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
     case KIND_Q8S: return quant_linear<KIND_Q8S>(x, packed);
     case KIND_Q4S: return quant_linear<KIND_Q4S>(x, packed);
     case KIND_Q8G: return quant_linear<KIND_Q8G>(x, packed);
+    case KIND_Q4K: return quant_linear<KIND_Q4K>(x, packed);
+    case KIND_Q6K: return quant_linear<KIND_Q6K>(x, packed);
   }
   TORCH_CHECK(false, "packed_linear: unknown packed format of record size ", packed.size(2));
 }

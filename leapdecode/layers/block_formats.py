@@ -30,9 +30,10 @@ GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
 TYPE_IDS = {name: i for i, name in GGML_TYPES.items()}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *TYPE_IDS)
-KINDS = ("q4", "q8", "q8m", "q8s", "q4s", "q8g")  # block_formats.h RecordKind order
-KIND_OF_TYPE = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m",
-                "Q6_K": "q8s", "Q3_K": "q8s", "Q2_K": "q4s"}  # fmt: skip
+KINDS = ("q4", "q8", "q8m", "q8s", "q4s", "q8g", "q4k", "q6k")  # block_formats.h RecordKind order
+KIND_OF_TYPE = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4k", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m",
+                "Q6_K": "q6k", "Q3_K": "q8s", "Q2_K": "q4s"}  # fmt: skip
+SPAN = {k: 256 if k in ("q4k", "q6k") else 32 for k in KINDS}  # inputs per record
 KIND_OF_RECORD = small_gemm.RECORD_KINDS
 RECORD_BYTES = {k: b for b, k in KIND_OF_RECORD.items()}
 # each record is a run of fields [count][16] (the last index is the panel's row); (element dtype, count) per field
@@ -43,6 +44,8 @@ FIELDS = {
     "q8s": [(torch.float32, 1), (torch.uint8, 2), (torch.uint8, 32)],
     "q4s": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 2), (torch.uint8, 2), (torch.uint8, 16)],
     "q8g": [(torch.float32, 2), (torch.float32, 2), (torch.uint8, 32)],
+    "q4k": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 8), (torch.uint8, 8), (torch.uint8, 128)],
+    "q6k": [(torch.float32, 1), (torch.uint8, 16), (torch.uint8, 128), (torch.uint8, 64)],
 }
 
 
@@ -79,7 +82,7 @@ class QuantizedWeight:
         """Bytes of the records of one part [N, K] of a weight fused from parts of GGUF types ``types``."""
         kinds = {KIND_OF_TYPE[t] for t in types}
         kind = kinds.pop() if len(kinds) == 1 else "q8g"
-        return shape[0] * shape[1] // 512 * RECORD_BYTES[kind]
+        return shape[0] // 16 * shape[1] // SPAN[kind] * RECORD_BYTES[kind]
 
     @classmethod
     def from_gguf(cls, parts: list[tuple]) -> QuantizedWeight:
@@ -90,7 +93,7 @@ class QuantizedWeight:
         kinds = {KIND_OF_TYPE[t] for t, *_ in parts}
         kind = kinds.pop() if len(kinds) == 1 else "q8g"
         n, k = sum(p[2][0] for p in parts), parts[0][2][1]
-        records = torch.empty(n // 16, k // 32, RECORD_BYTES[kind], dtype=torch.uint8)
+        records = torch.empty(n // 16, k // SPAN[kind], RECORD_BYTES[kind], dtype=torch.uint8)
         row = 0
         for type_name, raw, shape, *order in parts:
             with warnings.catch_warnings():  # a read-only view of the mapped file: repack only reads it
@@ -128,11 +131,17 @@ class QuantizedWeight:
         return out
 
     def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
-        """The q4 / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout); None for the others."""
-        if self.kind not in ("q4", "q8"):
+        """The q4 / q4k / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout, whose blocks
+        are 32 inputs with one scale and minimum); None for the others."""
+        if self.kind not in ("q4", "q4k", "q8"):
             return None
         fields = self._row_fields()
         n, k = self.shape
+        if self.kind == "q4k":  # per sub-block of 32: scale d * sc, minimum -(dmin * mq), as gguf computes them
+            pairs = fields[4].reshape(n, k // 32, 16)
+            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
+            scale = (fields[0] * fields[2].float()).reshape(n, k // 32)
+            return small_gemm.BlockQuantized("q4", q, scale, -(fields[1] * fields[3].float()).reshape(n, k // 32))
         if self.kind == "q4":
             pairs = fields[2].reshape(n, k // 32, 16)
             q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
