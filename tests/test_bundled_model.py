@@ -1,8 +1,10 @@
-"""The bundled SmolLM2-135M-Instruct (Q4_1 GGUF) against HF transformers loading the same file."""
+"""The bundled SmolLM2-135M-Instruct (Q4_1 GGUF), and the same model requantized by llama.cpp to Q4_K_M, against
+HF transformers loading the same file."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from leapdecode.models.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow
 
+# the bundled model requantized by llama.cpp's own quantizer (Q5_0, Q8_0, Q4_K, Q6_K and F32 tensors)
+SHARED_Q4_K_M = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "smollm2-135m-instruct.q4_k_m.gguf"
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -28,10 +32,13 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def hf_bundled() -> torch.nn.Module:
-    """HF transformers' own reading of the same GGUF file (config mapping, dequantisation, Q/K layout)."""
+    return hf_from_gguf(bundled_model_path())
+
+
+def hf_from_gguf(path: Path) -> torch.nn.Module:
+    """HF transformers' own reading of a GGUF file (config mapping, dequantisation, Q/K layout)."""
     from transformers import AutoModelForCausalLM
 
-    path = bundled_model_path()
     if importlib.util.find_spec("accelerate") is not None:
         return AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
@@ -81,14 +88,34 @@ def test_bundled_config(bundled_llm: LLM) -> None:
 
 
 def test_decoding_reads_the_checkpoints_own_blocks(bundled_llm: LLM) -> None:
-    """Every projection packs from the GGUF's Q4_1 blocks and the tied LM head from the Q8_0 embedding: ``enable``
-    only does so after checking that the blocks rebuild the loaded float32 weights exactly (layers/small_gemm.py),
-    so this also checks the loader's fusing and Q/K unpermutation of the blocks."""
+    """Every projection computes from the GGUF's Q4_1 blocks and the tied LM head from the Q8_0 embedding, with no
+    float32 copy of either (layers/block_formats.py); the HF comparisons below check the loader's fusing and Q/K
+    row order of the blocks."""
     from leapdecode.layers import small_gemm
 
     if small_gemm.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernel")
-    assert small_gemm.packed_formats(bundled_llm.engine.model) == {"q4": 4 * 30, "q8": 1}
+    model = bundled_llm.engine.model
+    assert small_gemm.packed_formats(model) == {"q4": 4 * 30, "q8": 1}
+    assert all(p.numel() < 600 for p in model.parameters())  # only norms are float parameters
+
+
+@pytest.mark.skipif(not SHARED_Q4_K_M.is_file(), reason=f"{SHARED_Q4_K_M} is not there")
+def test_llama_cpp_q4_k_m_file_matches_hf() -> None:
+    """The file users would make with llama.cpp's default preset: its K-quant, Q5_0 and Q8_0 tensors computed from
+    their blocks give HF transformers' greedy tokens."""
+    from leapdecode.layers import small_gemm
+
+    llm = LLM(model=str(SHARED_Q4_K_M), kv_cache_blocks=256)
+    formats = small_gemm.packed_formats(llm.engine.model)
+    if small_gemm.load_kernel() is not None:
+        assert set(formats) == {"q8", "q4k", "q6k"} and sum(formats.values()) == 4 * 30 + 1, formats
+    hf = hf_from_gguf(SHARED_Q4_K_M)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    for conv in CONVERSATIONS[:2]:
+        ids = llm.apply_chat_template(conv)
+        ours = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert ours == _hf_greedy(hf, ids, 32), conv
 
 
 def test_greedy_tokens_match_hf(
