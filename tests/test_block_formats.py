@@ -89,3 +89,24 @@ def test_int8_activation_layout_from_records(type_name):
     qw = QuantizedWeight.from_gguf([(type_name, raw, (n, k))])
     bq = qw.to_block_quantized()
     assert torch.equal(bq.dequantize(), qw.dequantize())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q8_0", "Q6_K"])
+def test_int8_activation_records_match_their_q4_or_q8_form(type_name):
+    """Q4_K's own int8-activation layout (super-block header kept) gives bitwise what its per-32 Q4 form gives;
+    other kinds are rounded to Q8_0 once more: half a step of each block's max|w| / 127, plus the fp16 rounding of
+    that step (gguf's own Q8_0)."""
+    n, k = 32, 512
+    qw = QuantizedWeight.from_gguf([(type_name, random_blocks(type_name, n, k, seed=9), (n, k))])
+    packed = qw.int8_activation_records()
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(2))
+    y = small_gemm.packed_linear(x, packed, None)
+    for m in (1, 3, 7):
+        assert torch.equal(small_gemm.packed_linear(x[:m], packed, None), y[:m])
+    if type_name == "Q4_K":
+        assert packed.shape == (n // 16, k // 256, 38, 64)
+        assert torch.equal(y, small_gemm.packed_linear(x, qw.to_block_quantized().pack_int8_activations(), None))
+    bq = qw.to_block_quantized() or small_gemm.BlockQuantized.quantize_q8(qw.dequantize())
+    w = qw.dequantize().reshape(n, k // 32, 32)
+    err = (bq.dequantize().reshape(n, k // 32, 32) - w).abs()
+    assert (err <= w.abs().amax(-1, keepdim=True) * (0.5 + 127 / 2048) / 127 + 1e-7).all()

@@ -439,7 +439,38 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
 // records), per panel of 16 outputs and block of 32 inputs; in each 64-byte line, output j owns bytes 4j..4j+3:
 //   Q4 (6 lines): d[16] f32 | m[16] f32 | line g = 0..3: byte (j, t) = qw(j, k0+8g+t) | qw(j, k0+8g+4+t) << 4
 //   Q8 (9 lines): d[16] f32 | line g = 0..7: byte (j, t) = qw(j, k0+4g+t) + 128
-constexpr int64_t A8_Q4_LINES = 6, A8_Q8_LINES = 9;
+// and, for Q4_K's super-blocks of 256 inputs, one record [N/16, K/256, 38, 64] holding what the float record
+// holds (block_formats.h's Q4K: d, dmin, sc[8], mq[8]) followed by the 8 sub-blocks' code lines in the Q4 form:
+//   Q4K (38 lines): d[16] f32 | dmin[16] f32 | sc[8][16] u8 | mq[8][16] u8 | 8 x 4 lines as Q4
+// whose block scale d * sc and minimum -(dmin * mq) are computed as gguf computes them, so a Q4_K layer gives
+// bitwise the result of its Q4 records.
+constexpr int64_t A8_Q4_LINES = 6, A8_Q8_LINES = 9, A8_Q4K_LINES = 38;
+enum A8Kind : int { A8_Q4 = 0, A8_Q8 = 1, A8_Q4K = 2 };
+
+// Block b (32 inputs) of one panel's int8-activation records: where its code lines start, and the record (and
+// sub-block) whose scales it takes
+template <int A>
+struct A8Block {
+  static constexpr bool Q4 = A != A8_Q8;
+  const uint8_t* rec;
+  int sb;
+  A8Block(const uint8_t* base, int64_t b)
+      : rec(base + (A == A8_Q4K ? (b / 8) * A8_Q4K_LINES : b * (Q4 ? A8_Q4_LINES : A8_Q8_LINES)) * 64),
+        sb(A == A8_Q4K ? int(b % 8) : 0) {}
+  const uint8_t* codes() const { return rec + (A == A8_Q4K ? 384 + 256 * sb : Q4 ? 128 : 64); }
+  int64_t code_bytes() const { return Q4 ? 256 : 512; }
+  // row j's scale and minimum (scalar form; the vector kernels compute the same products lane by lane)
+  float scale(int j) const {
+    float d;
+    __builtin_memcpy(&d, rec + 4 * j, 4);
+    return A == A8_Q4K ? d * float(rec[128 + 16 * sb + j]) : d;
+  }
+  float minimum(int j) const {
+    float m;
+    __builtin_memcpy(&m, rec + 64 + 4 * j, 4);
+    return A == A8_Q4K ? -(m * float(rec[256 + 16 * sb + j])) : m;
+  }
+};
 
 struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
   std::vector<int8_t> q;
@@ -481,17 +512,37 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-template <int R, bool Q4>
-static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+// the 16 rows' scale and minimum of one block, as A8Block's scalar forms compute them
+template <int A>
+static inline __m512 a8_scale(const A8Block<A>& blk) {
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
+  if constexpr (A != A8_Q4K) return d;
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 128 + 16 * blk.sb)))));
+}
+template <int A>
+static inline __m512 a8_minimum(const A8Block<A>& blk) {
+  const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec + 64));
+  if constexpr (A != A8_Q4K) return m;
+  const __m512 mq = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 256 + 16 * blk.sb))));
+  return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(m, mq));
+}
+
+template <int R, int A>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  constexpr bool Q4 = A != A8_Q8;
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, rec += REC) {
-    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) __builtin_prefetch(ahead.codes() + line);
+    __builtin_prefetch(ahead.rec), __builtin_prefetch(ahead.rec + 64);
+    const uint8_t* codes = blk.codes();
     __m512i i0[R], i1[R];  // two integer chains per row (even / odd quarter-lines) against vpdpbusd latency
     for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
     const int8_t* xb = xq + b * 32;
@@ -502,7 +553,7 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
     };
     if (Q4) {
       for (int g = 0; g < 4; ++g) {
-        const __m512i L = _mm512_loadu_si512(rec + 128 + 64 * g);
+        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
         const __m512i lo = _mm512_and_si512(L, low4), hi = _mm512_and_si512(_mm512_srli_epi16(L, 4), low4);
         for (int r = 0; r < R; ++r) {
           i0[r] = _mm512_dpbusd_epi32(i0[r], lo, xword(r, 8 * g));
@@ -511,21 +562,20 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
       }
     } else {
       for (int g = 0; g < 8; g += 2) {
-        const __m512i L0 = _mm512_loadu_si512(rec + 64 + 64 * g), L1 = _mm512_loadu_si512(rec + 128 + 64 * g);
+        const __m512i L0 = _mm512_loadu_si512(codes + 64 * g), L1 = _mm512_loadu_si512(codes + 64 + 64 * g);
         for (int r = 0; r < R; ++r) {
           i0[r] = _mm512_dpbusd_epi32(i0[r], L0, xword(r, 4 * g));
           i1[r] = _mm512_dpbusd_epi32(i1[r], L1, xword(r, 4 * g + 4));
         }
       }
     }
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec));
+    const __m512 d = a8_scale(blk), m = Q4 ? a8_minimum(blk) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       __m512i isum = _mm512_add_epi32(i0[r], i1[r]);
       if (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xr.sum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
-      if (Q4) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(rec + 64)),
-                                       _mm512_set1_ps(xr.s[i]), acc[r]);
+      if (Q4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.s[i]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
@@ -537,10 +587,27 @@ constexpr const char* A8_ISA = "avx512-vnni";
 // Q4 codes (<= 15 x 127 x 2) never reach but Q8's offset codes (<= 255 x 127 x 2) would: Q8 multiplies |q| by
 // x carrying q's sign instead (<= 128 x 127 x 2), the same integer sum(q * x) the offset form makes. The float
 // steps are the VNNI loop's, lane for lane, so results are bit-identical to it.
-template <int R, bool Q4>
-static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+// 8 rows' (half h of a block's 16) scale and minimum, as A8Block's scalar forms compute them
+template <int A>
+static inline __m256 a8_scale8(const A8Block<A>& blk, int h) {
+  const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec) + 8 * h);
+  if constexpr (A != A8_Q4K) return d;
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.rec + 128 + 16 * blk.sb + 8 * h)))));
+}
+template <int A>
+static inline __m256 a8_minimum8(const A8Block<A>& blk, int h) {
+  const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec + 64) + 8 * h);
+  if constexpr (A != A8_Q4K) return m;
+  const __m256 mq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.rec + 256 + 16 * blk.sb + 8 * h))));
+  return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(m, mq));
+}
+
+template <int R, int A>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  constexpr bool Q4 = A != A8_Q8;
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(-128);
@@ -550,12 +617,15 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   // as unsigned multipliers (and, for Q8, the signed codes whose signs go onto x)
   alignas(32) uint8_t wu[8][2][32];
   alignas(32) int8_t ws[8][2][32];
-  for (int64_t b = 0; b < nb; ++b, rec += REC) {
-    for (int64_t line = 0; line < REC; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * REC + line);
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) __builtin_prefetch(ahead.codes() + line);
+    __builtin_prefetch(ahead.rec), __builtin_prefetch(ahead.rec + 64);
+    const uint8_t* codes = blk.codes();
     for (int h = 0; h < 2; ++h) {
       if (Q4) {
         for (int g = 0; g < 4; ++g) {  // line g: low nibbles are inputs 8g .. 8g+3, high nibbles 8g+4 .. 8g+7
-          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 64 * g + 32 * h));
+          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * g + 32 * h));
           _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g][h]), _mm256_and_si256(L, low4));
           _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g + 1][h]),
                              _mm256_and_si256(_mm256_srli_epi16(L, 4), low4));
@@ -563,16 +633,15 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
       } else {
         for (int g = 0; g < 8; ++g) {  // line g: inputs 4g .. 4g+3, stored as q + 128
           const __m256i q = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 + 64 * g + 32 * h)), bias);
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * g + 32 * h)), bias);
           _mm256_store_si256(reinterpret_cast<__m256i*>(ws[g][h]), q);
           _mm256_store_si256(reinterpret_cast<__m256i*>(wu[g][h]), _mm256_abs_epi8(q));
         }
       }
     }
-    const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
-    const __m256 d1 = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + 8);
-    const __m256 m0 = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)) : _mm256_setzero_ps();
-    const __m256 m1 = Q4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64) + 8) : _mm256_setzero_ps();
+    const __m256 d0 = a8_scale8(blk, 0), d1 = a8_scale8(blk, 1);
+    const __m256 m0 = Q4 ? a8_minimum8(blk, 0) : _mm256_setzero_ps();
+    const __m256 m1 = Q4 ? a8_minimum8(blk, 1) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * 32;
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -605,35 +674,33 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
 }
 constexpr const char* A8_ISA = "avx2";
 #else  // portable reference: the same integer sums and float steps, one lane at a time (slow, but exact)
-template <int R, bool Q4>
-static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict rec,
+template <int R, int A>
+static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr int64_t REC = (Q4 ? A8_Q4_LINES : A8_Q8_LINES) * 64;
+  constexpr bool Q4 = A != A8_Q8;
   const int64_t nb = K / 32;
   for (int r = 0; r < R; ++r) {
     const int8_t* xq = xr.q.data() + (r0 + r) * K;
     float acc[16] = {};
-    const uint8_t* blk = rec;
-    for (int64_t b = 0; b < nb; ++b, blk += REC) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const A8Block<A> blk(base, b);
+      const uint8_t* codes = blk.codes();
       const int64_t i = (r0 + r) * nb + b;
-      float d[16], m[16];
-      __builtin_memcpy(d, blk, 64);
-      if (Q4) __builtin_memcpy(m, blk + 64, 64);
       for (int j = 0; j < 16; ++j) {
         int32_t isum = 0;
         for (int t = 0; t < 32; ++t) {
           int32_t w;
           if (Q4) {
-            const uint8_t byte = blk[128 + 64 * (t / 8) + 4 * j + t % 4];
+            const uint8_t byte = codes[64 * (t / 8) + 4 * j + t % 4];
             w = (t % 8) < 4 ? (byte & 15) : (byte >> 4);
           } else {
-            w = blk[64 + 64 * (t / 4) + 4 * j + t % 4];
+            w = codes[64 * (t / 4) + 4 * j + t % 4];
           }
           isum += w * xq[b * 32 + t];
         }
         if (!Q4) isum -= 128 * xr.sum[i];
-        acc[j] = std::fma(static_cast<float>(isum), d[j] * xr.d[i], acc[j]);
-        if (Q4) acc[j] = std::fma(m[j], xr.s[i], acc[j]);
+        acc[j] = std::fma(static_cast<float>(isum), blk.scale(j) * xr.d[i], acc[j]);
+        if (Q4) acc[j] = std::fma(blk.minimum(j), xr.s[i], acc[j]);
       }
     }
     __builtin_memcpy(y + r * N, acc, 64);
@@ -642,36 +709,40 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
 constexpr const char* A8_ISA = "portable";
 #endif
 
-template <bool Q4>
+template <int A>
 static void rows_x_a8panel_any(int64_t rows, const QuantizedRows& xr, int64_t r0, const uint8_t* rec, float* y,
                                int64_t K, int64_t N) {
-  with_rows(rows, [&](auto R) { rows_x_a8panel<R.value, Q4>(xr, r0, rec, y, K, N); });
+  with_rows(rows, [&](auto R) { rows_x_a8panel<R.value, A>(xr, r0, rec, y, K, N); });
 }
 
 torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "a8_linear: x must be a contiguous [M, K] float32 tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.size(3) == 64 && packed.scalar_type() == torch::kUInt8 &&
-                  packed.is_contiguous() && (packed.size(2) == A8_Q4_LINES || packed.size(2) == A8_Q8_LINES),
-              "a8_linear: packed weight must be a contiguous [N/16, K/32, 6 or 9, 64] uint8 tensor");
+                  packed.is_contiguous() && (packed.size(2) == A8_Q4_LINES || packed.size(2) == A8_Q8_LINES ||
+                                             packed.size(2) == A8_Q4K_LINES),
+              "a8_linear: packed weight must be a contiguous [N/16, K/32, 6 or 9, 64] or [N/16, K/256, 38, 64] "
+              "uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 32 == K, "a8_linear: K mismatch");
+  const int kind = packed.size(2) == A8_Q4_LINES ? A8_Q4 : packed.size(2) == A8_Q8_LINES ? A8_Q8 : A8_Q4K;
+  TORCH_CHECK(packed.size(1) * (kind == A8_Q4K ? 256 : 32) == K, "a8_linear: K mismatch");
   // any number of rows: at this precision a prompt's rows must be computed exactly as a decoded token's would
   // be, or a prefix-cache hit (which prefills fewer rows) would change the result; each panel stays in L1/L2
   // while its chunks of 8 rows pass over it
   TORCH_CHECK(M >= 1, "a8_linear: at least one row");
-  const bool q4 = packed.size(2) == A8_Q4_LINES;
   const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = (K / 32) * packed.size(2) * 64;
+  const int64_t panel_bytes = packed.size(1) * packed.size(2) * 64;
   at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - r0);
-        if (q4) rows_x_a8panel_any<true>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
-        else rows_x_a8panel_any<false>(rows, xr, r0, wp + p * panel_bytes, yp + r0 * N + p * 16, K, N);
+        const uint8_t* panel = wp + p * panel_bytes;
+        if (kind == A8_Q4) rows_x_a8panel_any<A8_Q4>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
+        else if (kind == A8_Q8) rows_x_a8panel_any<A8_Q8>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
+        else rows_x_a8panel_any<A8_Q4K>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
       }
   });
   return y;

@@ -130,6 +130,20 @@ class QuantizedWeight:
             off += size
         return out
 
+    def int8_activation_records(self) -> torch.Tensor:
+        """This weight for the int8-activation kernel (``linear_kernel="packed-int8act"``): q4k keeps its records'
+        header and takes the Q4 code lines per sub-block ([N/16, K/256, 38, 64]); q4 / q8 keep their codes; the
+        other kinds are rounded once more, to Q8_0 (8-bit codes per 32 inputs: at most ~0.56 of a step of a block's
+        max|w| / 127 on top of the file's own rounding), since that kernel multiplies 4- or 8-bit codes."""
+        if self.kind == "q4k":
+            n, k = self.shape
+            lines = self.to_block_quantized().pack_int8_activations()[:, :, 2:]  # drop the per-32 d and m lines
+            codes = lines.reshape(n // 16, k // 256, 8 * 4 * 64)
+            header = self.records[:, :, :384]
+            return torch.cat([header, codes], dim=-1).reshape(n // 16, k // 256, -1, 64).contiguous()
+        bq = self.to_block_quantized() or small_gemm.BlockQuantized.quantize_q8(self.dequantize())
+        return bq.pack_int8_activations()
+
     def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
         """The q4 / q4k / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout, whose blocks
         are 32 inputs with one scale and minimum); None for the others."""

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 # record bytes per 16 rows x 32 inputs -> kind (kernels/block_formats.h; layers/block_formats.py describes them)
 RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "q8g", 2432: "q4k", 3392: "q6k"}
-A8_Q4_LINES, A8_Q8_LINES = 6, 9  # 64-byte lines per record of the int8-activation layout
+A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "gguf_blocks.cpp", KERNELS / "decode_ops.cpp"]  # one build
@@ -193,13 +193,10 @@ def _records_for(mod: torch.nn.Module, int8_activations: bool) -> torch.Tensor |
     embedding's): the records themselves, or their int8-activation layout; None for a float layer."""
     owner = mod.owner() if hasattr(mod, "owner") else mod
     quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
-    if quant is not None and not int8_activations:
-        return quant.records
-    if not int8_activations or (quant is None and bq is None):
+    if quant is not None:
+        return quant.int8_activation_records() if int8_activations else quant.records
+    if not int8_activations or bq is None:
         return None
-    if bq is None:
-        # q4 / q8 kinds keep their codes; other kinds are rounded once more, to Q8_0, for the int8 kernel
-        bq = quant.to_block_quantized() or BlockQuantized.quantize_q8(quant.dequantize())
     return bq.pack_int8_activations()
 
 
@@ -312,9 +309,8 @@ def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch
     quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
     if quant is not None:
         quant = quant if rows is None else quant.select_rows(rows)
-        if quant is not None and not int8_activations:
-            return quant.records
-        bq = None if quant is None else quant.to_block_quantized() or BlockQuantized.quantize_q8(weight)
+        if quant is not None:
+            return quant.int8_activation_records() if int8_activations else quant.records
     elif bq is not None and rows is not None:
         bq = BlockQuantized(bq.kind, *[None if t is None else t.index_select(0, rows.to(t.device)).contiguous()
                                        for t in (bq.q, bq.scale, bq.minimum)])  # fmt: skip
@@ -403,7 +399,7 @@ def packed_formats(model: torch.nn.Module) -> dict[str, int]:
             if p.dtype == torch.float32:
                 kind = "float32"
             elif p.dim() == 4:  # int8-activation records
-                kind = "q4-int8act" if p.shape[2] == A8_Q4_LINES else "q8-int8act"
+                kind = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k"}[p.shape[2]] + "-int8act"
             else:
                 kind = RECORD_KINDS[p.shape[2]]
             counts[kind] = counts.get(kind, 0) + 1
