@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
-from leapdecode.spec import blockwise as B
-from leapdecode.spec.blockwise import BlockwiseProposer, BlockwiseSettings, topk_accepted
-from leapdecode.spec.medusa import PYRAMID, MedusaHeads, save_heads
-from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.speculator import Speculator
-from leapdecode.spec.verify import verify_greedy
+from leapdecode.speculative.acceptance import topk_accepted, verify_greedy
+from leapdecode.speculative.artifacts import save_heads
+from leapdecode.speculative.heads import PYRAMID, MedusaHeads
+from leapdecode.speculative.methods import blockwise as B
+from leapdecode.speculative.methods.blockwise import BlockwiseProposer, BlockwiseSettings
+from leapdecode.speculative.proposer import Proposal
+from leapdecode.speculative.speculator import Speculator
 from leapdecode.train.blockwise import (
     SemiARLayer,
     block_causal_block_mask,

@@ -103,7 +103,7 @@ def test_ceiling_is_acceptance_over_the_targets_step_cost_at_the_verified_rows()
     """--ceiling: a row's verified rows are 1 + its drafts per step, and its ceiling is mean accepted x t(1) /
     t(rows) under the measured step costs; plain decoding's is 1.0, and batched rows get none."""
     from leapdecode.bench.benchmark import Row, add_ceiling, format_table
-    from leapdecode.spec.dynamic_gamma import StepCostModel
+    from leapdecode.speculative.policy import StepCostModel
 
     costs = StepCostModel([(1, 0.010), (3, 0.012), (5, 0.016)])
     plain = Row("leapdecode", "none", 1, 2, 100, 50.0, 1.0, 1.0)

@@ -1,8 +1,9 @@
 """Training a block of positions in parallel: the block-causal mask and per-block gradient checkpointing.
 
 The blockwise *proposal heads* are Medusa heads with one head per offset, trained by ``leapdecode train medusa
---layout 1,2,...,k`` (see ``leapdecode/spec/blockwise.py`` and ``leapdecode/artifacts/blockwise/README.md``).
-This module holds what blockwise parallel decoding adds on the training side (technique brief §2.3):
+--layout 1,2,...,k`` (see ``leapdecode/speculative/methods/blockwise.py`` and
+``leapdecode/artifacts/blockwise/README.md``).
+This module holds what blockwise parallel decoding adds on the training side:
 
 **Block-causal mask.** Positions are cut into blocks of ``block`` consecutive positions (the last block may be
 shorter); position i may attend to position j iff ``j // block <= i // block``: every position of its own block

@@ -1,4 +1,4 @@
-"""``leapdecode train medusa``: train Medusa heads on the target's own answers (technique brief §2.2 and §5).
+"""``leapdecode train medusa``: train Medusa heads on the target's own answers (self-distillation).
 
 Pipeline (each stage resumable):
 
@@ -57,16 +57,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from leapdecode.spec import tree as T
-from leapdecode.spec.medusa import (
-    DEFAULT_TOPK,
-    MedusaHeads,
-    lm_head_fingerprint,
-    masked_argmax_chain,
-    parse_layout,
-    ranked_candidates,
-    save_heads,
-)
+from leapdecode.speculative import tree as T
+from leapdecode.speculative.artifacts import MEDUSA_DIR, lm_head_fingerprint, load_heads, save_heads
+from leapdecode.speculative.heads import MedusaHeads, masked_argmax_chain, parse_layout, ranked_candidates
+from leapdecode.speculative.methods.medusa import DEFAULT_TOP_K
+from leapdecode.speculative.policy import StepCostModel, scratch_step
+from leapdecode.speculative.shadow_cache import Shadow
 
 DEFAULT_WEIGHTS = (1.0, 0.8, 0.6, 0.4)
 DEFAULT_TEMPERATURES = (1.0, 1.2, 1.4, 1.6)
@@ -110,7 +106,7 @@ class MedusaTrainConfig:
     val_frac: float = 0.05
     val_max_tokens: int = 8192
     report_topk: int = 5
-    tree_topk: int = DEFAULT_TOPK
+    tree_topk: int = DEFAULT_TOP_K
     tree_max_nodes: int = 64
     save_every: int = 200
     cache_batch_tokens: int = 2048
@@ -275,7 +271,6 @@ def hidden_rows(engine, samples: Seq[dict[str, Any]]) -> list[torch.Tensor]:
     """Final-norm hidden states at each answer position (the position whose logits predict answer token t),
     one batched prefill for all ``samples``: [len(answer), d] per sample."""
     from leapdecode.engine.model_runner import ForwardItem
-    from leapdecode.spec.draft_model import _Shadow
 
     bm, runner = engine.block_manager, engine.runner
     items, shadows, spans = [], [], []
@@ -287,7 +282,7 @@ def hidden_rows(engine, samples: Seq[dict[str, Any]]) -> list[torch.Tensor]:
             if len(toks) > keep:  # rare over-long prompt: keep its tail (the answer positions must survive)
                 cut = len(toks) - keep
                 toks, p = toks[cut:], p[cut:]
-            sh = _Shadow()
+            sh = Shadow()
             if not bm.can_allocate(sh, len(toks)):
                 raise RuntimeError("hidden cache batch does not fit the KV pool; lower --cache-batch-tokens")
             bm.allocate(sh, len(toks))
@@ -858,10 +853,7 @@ class MedusaTrainer:
 def default_tree_nodes(engine, curve: Seq[float]) -> int:
     """Tree size maximising expected tokens per second at batch 1 on *this* machine (measured step cost);
     stored as the artefact's default for engines that run without the cost model."""
-    from leapdecode.spec.dynamic_gamma import StepCostModel
-    from leapdecode.spec.speculator import Speculator
-
-    cost = StepCostModel.calibrate(lambda n: Speculator._timed_step(engine.runner, engine.block_manager, n),
+    cost = StepCostModel.calibrate(lambda n: scratch_step(engine.runner, engine.block_manager, n),
                                    sizes=(1, 2, 3, 5, 9, 17, 33), repeats=3)
     best, best_rate = 0, 1.0 / max(cost(1), 1e-9)
     for n in range(1, len(curve)):
@@ -877,7 +869,6 @@ def tune_tree(heads_dir: Path, llm, prompts: list[str], max_tokens: int, max_nod
     candidates at every answer position, the rank paths of what actually followed; default size from this
     machine's step cost."""
     from leapdecode import SamplingParams
-    from leapdecode.spec.medusa import load_heads
 
     heads, subset, meta = load_heads(heads_dir)
     eng = llm.engine
@@ -887,7 +878,7 @@ def tune_tree(heads_dir: Path, llm, prompts: list[str], max_tokens: int, max_nod
                for o in outs if o.outputs[0].token_ids]
     w = eng.model.lm_head.get_weight().float()
     lm_w = w if subset is None else w.index_select(0, subset)
-    topk = int(meta.get("tree", {}).get("topk", DEFAULT_TOPK))
+    topk = int(meta.get("tree", {}).get("topk", DEFAULT_TOP_K))
     ranks_all = []
     d = heads.max_offset
     for s in samples:
@@ -941,11 +932,10 @@ def cmd_medusa(args: argparse.Namespace) -> int:
 def cmd_medusa_tree(args: argparse.Namespace) -> int:
     from leapdecode import LLM
     from leapdecode.bench.prompts import load_prompt_set
-    from leapdecode.spec.medusa import DEFAULT_HEADS_DIR
 
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_blocks=1024)
     prompts = load_prompt_set(args.prompts, args.num_prompts)
-    tune_tree(Path(args.heads) if args.heads else DEFAULT_HEADS_DIR, llm, prompts, args.max_tokens, args.max_nodes)
+    tune_tree(Path(args.heads) if args.heads else MEDUSA_DIR, llm, prompts, args.max_tokens, args.max_nodes)
     return 0
 
 

@@ -1,7 +1,7 @@
 """``leapdecode train self-spec``: train the exit adapter that self-speculation drafts with.
 
-The drafter is ``LMHead(norm(adapter(h_L)))`` (spec/self_spec.py). Training makes its next-token distribution
-match the target's on the target's own answers (``leapdecode train distill-data``):
+The drafter is ``LMHead(norm(adapter(h_L)))`` (speculative/methods/self_spec.py). Training makes its
+next-token distribution match the target's on the target's own answers (``leapdecode train distill-data``):
 
 1. **Cache once.** One pass of the target over every record stores ``h_L`` (the residual stream after layer L,
    every position, float16) and the teacher's top-k logits at the answer positions; the teacher cache does not
@@ -42,8 +42,13 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.models.llama import LlamaForCausalLM
-from leapdecode.spec.draft_model import _Shadow
-from leapdecode.spec.self_spec import RECORD_FILE, ExitAdapter, save_adapter, target_fingerprint
+from leapdecode.speculative.artifacts import RECORD_FILE, save_adapter, target_fingerprint
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.methods.eagle import EagleProposer
+from leapdecode.speculative.methods.self_spec import SelfSpecProposer
+from leapdecode.speculative.policy import StepCostModel, scratch_step
+from leapdecode.speculative.proposer import EngineView
+from leapdecode.speculative.shadow_cache import Shadow
 
 CACHE_BLOCK = 16
 
@@ -140,7 +145,7 @@ def compute_cache(
             batch.append(records[i])
             used += len(records[i].tokens)
             i += 1
-        shadows = [_Shadow() for _ in batch]
+        shadows = [Shadow() for _ in batch]
         for sh, r in zip(shadows, batch):
             bm.allocate(sh, len(r.tokens))  # type: ignore[arg-type]
         items = [ForwardItem(sh.block_table, 0, r.tokens, list(range(r.prompt_len - 1, len(r.tokens))))
@@ -393,14 +398,10 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
     (the draft's cost grows with L, its agreement too), not a benchmark: run ``leapdecode bench`` for that."""
     from leapdecode.config import EngineConfig
     from leapdecode.engine.llm_engine import LLMEngine
-    from leapdecode.spec.dynamic_gamma import StepCostModel
-    from leapdecode.spec.feature_draft import FeatureDraftProposer
-    from leapdecode.spec.self_spec import SelfSpecProposer
-    from leapdecode.spec.speculator import Speculator
 
     eng = LLMEngine(EngineConfig(model=str(model_path), dtype=dtype, device=device, kv_cache_blocks=16,
                                  max_num_seqs=1), model=model, tokenizer=None, model_path=model_path)
-    target = StepCostModel.calibrate(lambda n: Speculator._timed_step(eng.runner, eng.block_manager, n),
+    target = StepCostModel.calibrate(lambda n: scratch_step(eng.runner, eng.block_manager, n),
                                      sizes=(1, 2, 3, 5, 9), repeats=3)
     t1 = target(1)
     out: dict[str, Any] = {"target_step_ms": round(t1 * 1e3, 2),
@@ -409,9 +410,9 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
     if subset and "agree_subset_head" in metrics:
         heads.append((f"subset{subset}", subset, metrics["agree_subset_head"]))
     for name, n, alpha in heads:
-        kind = FeatureDraftProposer if adapter.feature_input else SelfSpecProposer
-        prop = kind(eng, adapter, 0.0, ranked[:n] if n else None)
-        d1 = StepCostModel.calibrate(prop._timed_draft_step, sizes=(1,), repeats=5)(1)
+        kind = EagleProposer if adapter.feature_input else SelfSpecProposer
+        prop = kind(EngineView.of(eng), adapter, 0.0, ranked[:n] if n else None)
+        d1 = StepCostModel.calibrate(prop.timed_draft_step, sizes=(1,), repeats=5)(1)
         best_g, best_x = 0, 1.0
         for g in range(1, 9):
             x = expected_accepted(alpha, g) * t1 / (target(1 + g) + g * d1)
