@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from leapdecode.layers.linear import shard_tensor
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.speculative.exit_adapter import ExitAdapter
@@ -223,8 +222,7 @@ def load_adapter(
         raise ValueError(f"{folder}/{ADAPTER_WEIGHTS} lacks {sorted(missing)}")
     with torch.no_grad():
         for name, prm in params.items():
-            full = tensors[name]
-            prm.copy_(shard_tensor(full, getattr(prm, "shard_dim", None), getattr(prm, "shard_parts", None)))
+            prm.copy_(tensors[name])
     return adapter.eval(), cfg, ranked
 
 
