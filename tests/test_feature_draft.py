@@ -19,7 +19,8 @@ from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.heads import PYRAMID
 from leapdecode.speculative.methods.eagle import EagleProposer
 from leapdecode.speculative.tree import depths_of
-from leapdecode.train.self_spec import Batch, dense_passes
+from leapdecode.train.adapter import dense_passes
+from leapdecode.train.data import Batch
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, distill_tiny, layer_row_counters, save_random_heads

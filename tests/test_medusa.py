@@ -25,17 +25,9 @@ from leapdecode.speculative.heads import (
 )
 from leapdecode.speculative.proposer import Proposal, Proposer
 from leapdecode.speculative.speculator import Speculator
-from leapdecode.train.medusa import (
-    CurriculumSampler,
-    CurriculumSchedule,
-    MedusaTrainConfig,
-    MedusaTrainer,
-    ProgressiveSchedule,
-    TrainableHeads,
-    head_losses,
-    per_offset,
-    weighted_loss,
-)
+from leapdecode.train.medusa import MedusaTrainConfig, MedusaTrainer, per_offset
+from leapdecode.train.medusa_loss import TrainableHeads, head_losses, weighted_loss
+from leapdecode.train.medusa_schedules import CurriculumSampler, CurriculumSchedule, ProgressiveSchedule
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, save_random_heads
