@@ -35,11 +35,12 @@ from leapdecode.speculative.heads import MedusaHeads
 ARTIFACTS_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
 SELF_SPEC_DIR = ARTIFACTS_ROOT / "self_spec"  # the exit adapter (``leapdecode train self-spec``)
 DRAFT_DIR = ARTIFACTS_ROOT / "draft"  # the small draft: an adapter with L = 0 (``leapdecode train draft``)
-EAGLE_DIR = ARTIFACTS_ROOT / "eagle"  # the feature-conditioned draft (``leapdecode train draft --features``)
+EAGLE_DIR = ARTIFACTS_ROOT / "eagle"  # the feature-conditioned draft (``leapdecode train eagle``)
 MEDUSA_DIR = ARTIFACTS_ROOT / "medusa"  # pyramid heads (``leapdecode train medusa``)
 BLOCKWISE_DIR = ARTIFACTS_ROOT / "blockwise"  # one head per offset (``leapdecode train medusa --layout 1,..,k``)
 # per kind of adapter drafter, the command that trains one
-TRAIN_COMMANDS = {"self_spec": "train self-spec", "draft_model": "train draft", "eagle": "train draft --features"}
+TRAIN_COMMANDS = {"self_spec": "`leapdecode train self-spec`", "draft_model": "`leapdecode train draft`",
+                  "eagle": "`leapdecode train eagle` (or `leapdecode train draft --features`)"}
 
 CONFIG_FILE = "config.json"
 RECORD_FILE = "record.json"

@@ -1,7 +1,7 @@
 """``leapdecode train self-spec`` / ``train draft [--features]``: train an exit adapter (speculative/exit_adapter.py).
 
 One trainer serves three drafters: self_spec's exit (``--layer L``), the small draft (``train draft``: L = 0)
-and EAGLE's feature draft (``train draft --features``).
+and EAGLE's feature draft (``train eagle``, the same as ``train draft --features``).
 
 The drafter is ``LMHead(norm(adapter(h_L)))`` (speculative/methods/self_spec.py). Training makes its
 next-token distribution match the target's on the target's own answers (``leapdecode train distill-data``):
@@ -508,8 +508,10 @@ def print_estimate(estimate: dict[str, Any], subset: int) -> None:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    draft = args.train_command == "draft"
-    skip = ("func", "train_func", "command", "train_command") + (("layer",) if draft else ())
+    """The command that reproduces this run (``train eagle`` implies ``--features``)."""
+    draft = args.train_command in ("draft", "eagle")
+    skip = ("func", "train_func", "command", "train_command") + (("layer",) if draft else ()) + \
+        (("features",) if args.train_command == "eagle" else ())
     parts = []
     for k, v in vars(args).items():
         if k in skip or v is None or v is False or (k in ("feature_weight", "chain_steps") and not args.features):
@@ -524,7 +526,8 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = Path(args.out or (f"runs/self_spec_L{args.layer}" if args.layer else f"runs/draft_{args.adapter_layers}l"))
+    kind = f"self_spec_L{args.layer}" if args.layer else "eagle" if args.features else "draft"
+    out = Path(args.out or (f"runs/{kind}" if args.layer else f"runs/{kind}_{args.adapter_layers}l"))
     out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model)
     if args.dtype not in DTYPES:

@@ -80,6 +80,19 @@ def _add_adapter(tsub: argparse._SubParsersAction) -> None:
                    help="start from the target's first layers (next) or its last layers (last)")
     _adapter_args(d)
     d.set_defaults(layer=0)
+    e = tsub.add_parser(
+        "eagle",
+        help="train EAGLE's feature-conditioned draft (the same trainer as `train draft --features`)",
+        description="Trains a draft whose input at each position is the target's final hidden state one position "
+        "back fused with the current token's embedding, on the distillation data: `train draft --features` under "
+        "the method's own name. speculative_config={\"method\": \"eagle\", \"model\": OUT} drafts with it; "
+        "leapdecode/artifacts/eagle/ is the one used without a path.",
+    )
+    e.add_argument("--layers", dest="adapter_layers", type=int, default=1, help="decoder layers in the draft")
+    e.add_argument("--init", default="next", choices=["next", "last"],
+                   help="start from the target's first layers (next) or its last layers (last)")
+    _adapter_args(e)
+    e.set_defaults(layer=0, features=True)
 
 
 def _adapter_args(p: argparse.ArgumentParser) -> None:

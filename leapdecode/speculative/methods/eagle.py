@@ -2,7 +2,7 @@
 
 A plain small draft sees only tokens, so it has to re-derive from scratch what the target "had in mind". This
 drafter reads, at each position p, the target's final normed hidden state one position back together with the
-token actually chosen there, ``fc([f_{p-1}, embed(x_p)])``, and is trained (``leapdecode train draft --features``)
+token actually chosen there, ``fc([f_{p-1}, embed(x_p)])``, and is trained (``leapdecode train eagle``)
 to output the target's next feature f_p, which the target's own LM head turns into the draft's next token. (The
 same "next feature" idea as EAGLE, Li et al. 2024; here its name everywhere: method ``eagle``, class
 ``EagleProposer``, shipped in ``leapdecode/artifacts/eagle/``.)::

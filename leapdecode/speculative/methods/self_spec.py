@@ -87,14 +87,14 @@ def load_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM, kind: str, sh
     if path is None:
         raise ValueError(
             f'speculative method "{kind}" needs a trained drafter: pass "model": PATH (a folder written by '
-            f"`leapdecode {command}`); none is shipped in {folder}"
+            f"{command}); none is shipped in {folder}"
         )
     if user_path is None and shipped_adapter_for(target, folder) is None:
         raise ValueError(f'speculative method "{kind}" needs "model": PATH for this model: the shipped drafter '
-                         f"({path}) was trained for another one (`leapdecode {command}` makes one)")
+                         f"({path}) was trained for another one ({command} makes one)")
     adapter, acfg, ranked = load_adapter(path, target)
     if kind == "eagle" and not adapter.feature_input:
-        raise ValueError(f'speculative method "eagle" needs a feature-conditioned draft (`leapdecode {command}`); '
+        raise ValueError(f'speculative method "eagle" needs a feature-conditioned draft ({command}); '
                          f"{path} reads {'h_L' if adapter.layer_index else 'tokens only'}")
     if kind != "eagle" and adapter.feature_input:
         raise ValueError(f'{path} is a feature-conditioned draft: run it with the "eagle" method, not "{kind}"')
