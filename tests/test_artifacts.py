@@ -22,6 +22,7 @@ from leapdecode.speculative.artifacts import (
 from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.heads import PYRAMID, MedusaHeads
 from leapdecode.train import loop
+from leapdecode.train.data import CachedArray, HiddenCache, fill_caches
 
 
 def test_heads_and_adapters_share_one_format_and_older_folders_still_load(tmp_path, tiny_model_dir):
@@ -115,3 +116,35 @@ def test_warmup_cosine_schedule():
     assert loop.warmup_cosine_lr(9, 100, 10, 1.0) == pytest.approx(1.0)
     assert loop.warmup_cosine_lr(100, 100, 10, 1.0) == pytest.approx(0.1)
     assert loop.warmup_cosine_lr(55, 100, 10, 1.0) == pytest.approx(0.55)
+
+
+def test_the_hidden_cache_resumes_an_interrupted_build_and_rebuilds_for_another_key(tmp_path):
+    rows = [3, 1, 4, 2]
+    seqs = [torch.arange(n * 2, dtype=torch.float32).view(n, 2) + 10 * i for i, n in enumerate(rows)]
+    calls: list[list[int]] = []
+
+    def compute(ids, fail_after=None):
+        calls.append(ids)
+        if fail_after is not None and len(calls) > fail_after:
+            raise KeyboardInterrupt
+        return {"h": [seqs[i] for i in ids], "n": [torch.full((rows[i], 1), i, dtype=torch.int32) for i in ids]}
+
+    def cache(key):
+        return HiddenCache(tmp_path / "c", {"k": key}, {"h": CachedArray(rows, 2, "float16"),
+                                                        "n": CachedArray(rows, 1, "int32")})
+
+    groups = [[0, 1], [2], [3]]
+    with pytest.raises(KeyboardInterrupt):
+        fill_caches([cache(1)], groups, lambda ids: compute(ids, fail_after=1), "test")
+    again = cache(1)
+    assert not again.fresh and again.done == 2 and not again.complete
+    calls.clear()
+    fill_caches([again], groups, compute, "test")
+    assert calls == [[2], [3]] and cache(1).complete  # resumed after the last finished group
+    assert torch.equal(torch.from_numpy(cache(1).load("h")), torch.cat(seqs).half())
+    assert cache(1).load("n")[:, 0].tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 3, 3]
+    calls.clear()
+    fill_caches([cache(1)], groups, compute, "test")
+    assert calls == []  # complete: nothing recomputed
+    other = cache(2)
+    assert other.fresh and not other.complete  # other data or settings: built afresh

@@ -27,17 +27,13 @@ next-token distribution match the target's on the target's own answers (``leapde
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from leapdecode.config import DTYPES, EngineConfig
@@ -52,11 +48,15 @@ from leapdecode.speculative.policy import StepCostModel, expected_tokens, scratc
 from leapdecode.speculative.proposer import EngineView
 from leapdecode.train.data import (
     Batch,
+    CachedArray,
+    HiddenCache,
     Record,
     Split,
     TargetPasses,
+    batches_by_tokens,
     data_file_of,
     file_sha256,
+    fill_caches,
     gather_batch,
     load_records,
     make_split,
@@ -66,60 +66,44 @@ from leapdecode.train.data import (
 )
 from leapdecode.train.loop import has_checkpoint, load_checkpoint, save_checkpoint, warmup_cosine_lr
 
-CACHE_FORMAT = "leapdecode.adapter_cache.v2"  # safetensors with the key in its metadata
-
 
 # ---------------------------------------------------------------------------------------------------- cache
-def compute_cache(model: LlamaForCausalLM, records: list[Record], layer: int, topk: int, teacher: bool,
-                  batch_tokens: int, desc: str) -> dict[str, torch.Tensor]:
-    """Run the target over ``records`` (data.TargetPasses) and return ``hidden`` [sum T, H] float16 (h_L at
-    every position, records concatenated) and, if ``teacher``, the top-k teacher logits ``t_val`` [sum A, k]
-    float16 and ids ``t_idx`` [sum A, k] int32 at the answer positions."""
+def adapter_caches(cache_dir: Path, records: list[Record], base_key: dict[str, Any], layer: int, width: int,
+                   topk: int) -> tuple[HiddenCache, HiddenCache]:
+    """The teacher's top-k logits at the answer positions (independent of L, so one teacher cache serves every
+    run on the data) and h_L at every position (per L)."""
+    answers = [r.num_answer for r in records]
+    teacher = HiddenCache(cache_dir / "teacher", {**base_key, "topk": topk},
+                          {"t_val": CachedArray(answers, topk, "float16"),
+                           "t_idx": CachedArray(answers, topk, "int32")})
+    hidden = HiddenCache(cache_dir / f"hidden_L{layer}", {**base_key, "layer": layer},
+                         {"hidden": CachedArray([len(r.tokens) for r in records], width, "float16")})
+    return teacher, hidden
+
+
+def fill_adapter_caches(model: LlamaForCausalLM, records: list[Record], layer: int, topk: int, batch_tokens: int,
+                        teacher: HiddenCache, hidden: HiddenCache) -> None:
+    """One pass of the target over ``records`` (data.TargetPasses) fills whichever caches are incomplete: h_L
+    always comes out of it, the teacher's logits only when that cache needs them (they cost every layer)."""
+    if teacher.complete and hidden.complete:
+        return
     passes = TargetPasses.own_pool(model, batch_tokens, [len(r.tokens) for r in records])
-    hidden: list[torch.Tensor] = []
-    t_val: list[torch.Tensor] = []
-    t_idx: list[torch.Tensor] = []
-    bar = tqdm(total=sum(len(r.tokens) for r in records), desc=desc, unit="tok", unit_scale=True)
-    i = 0
-    while i < len(records):
-        batch: list[Record] = []
-        used = 0
-        while i < len(records) and (not batch or used + len(records[i].tokens) <= batch_tokens):
-            batch.append(records[i])
-            used += len(records[i].tokens)
-            i += 1
-        rows = [range(r.prompt_len - 1, len(r.tokens)) for r in batch] if teacher else None
+    with_teacher = not teacher.complete
+
+    def compute(seqs: list[int]) -> dict[str, list[torch.Tensor]]:
+        batch = [records[i] for i in seqs]
+        rows = [range(r.prompt_len - 1, len(r.tokens)) for r in batch] if with_teacher else None
         h, top = passes.run([r.tokens for r in batch], layer, False, rows, topk)
-        hidden.append(h.to("cpu", torch.float16))
+        out = {"hidden": list(h.to("cpu", torch.float16).split([len(r.tokens) for r in batch]))}
         if top is not None:
-            t_val.append(top[0].to("cpu", torch.float16))
-            t_idx.append(top[1].to("cpu", torch.int32))
-        bar.update(used)
-    bar.close()
-    out: dict[str, torch.Tensor] = {"hidden": torch.cat(hidden)}
-    if teacher:
-        out["t_val"], out["t_idx"] = torch.cat(t_val), torch.cat(t_idx)
-    return out
+            sizes = [r.num_answer for r in batch]
+            out["t_val"] = list(top[0].to("cpu", torch.float16).split(sizes))
+            out["t_idx"] = list(top[1].to("cpu", torch.int32).split(sizes))
+        return out
 
-
-def cached(path: Path, key: dict[str, Any], build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The tensors stored at ``path`` when they were built for ``key``, else ``build()``'s, saved there
-    (safetensors, the key in its metadata; written to a temporary file and moved into place)."""
-    want = json.dumps(key, sort_keys=True)
-    if path.is_file():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") == CACHE_FORMAT and meta.get("key") == want:
-                    return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        except Exception:  # a damaged or foreign cache file: rebuild it  # noqa: BLE001
-            pass
-    d = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in d.items()}, str(tmp), metadata={"format": CACHE_FORMAT, "key": want})
-    tmp.replace(path)
-    return d
+    groups = batches_by_tokens([len(r.tokens) for r in records], batch_tokens, max_seqs=len(records))
+    caches = [teacher, hidden] if with_teacher else [hidden]
+    fill_caches(caches, groups, compute, "cache h_L + teacher" if with_teacher else f"cache h_L (L={layer})")
 
 
 def dense_passes(adapter: ExitAdapter, model: LlamaForCausalLM, batch: Batch,
@@ -307,26 +291,16 @@ def prepare_data(args: argparse.Namespace, model: LlamaForCausalLM, model_path: 
     sha = file_sha256(data_file)
     base_key = {"data": sha, "model": str(model_path), "dtype": args.dtype, "max_seq_len": args.max_seq_len,
                 "max_records": args.max_records}
-    teacher_key = {**base_key, "topk": args.topk}
     cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
     # a feature draft reads the target's top-layer features, every other drafter h_L
     layer = model.config.num_hidden_layers if args.features else args.layer
-    side: dict[str, torch.Tensor] = {}
-
-    def build_teacher() -> dict[str, torch.Tensor]:
-        d = compute_cache(model, records, layer, args.topk, True, args.cache_tokens, "cache h_L + teacher")
-        side["hidden"] = d.pop("hidden")  # computed on the way: saved too, below
-        return d
-
-    teacher = cached(cache_dir / "teacher.safetensors", teacher_key, build_teacher)
-    hidden = cached(cache_dir / f"hidden_L{layer}.safetensors", {**base_key, "layer": layer},
-                    lambda: {"hidden": side.pop("hidden")} if "hidden" in side else
-                    compute_cache(model, records, layer, args.topk, False, args.cache_tokens,
-                                  f"cache h_L (L={layer})"))
-    cache = {"hidden": hidden["hidden"], "t_val": teacher["t_val"], "t_idx": teacher["t_idx"]}
+    teacher, hidden = adapter_caches(cache_dir, records, base_key, layer, model.config.hidden_size, args.topk)
+    fill_adapter_caches(model, records, layer, args.topk, args.cache_tokens, teacher, hidden)
+    cache = {"hidden": torch.from_numpy(hidden.load("hidden")), "t_val": torch.from_numpy(teacher.load("t_val")),
+             "t_idx": torch.from_numpy(teacher.load("t_idx"))}
     train, val = make_split(train_recs, records), make_split(val_recs, records)
     return Data(data_file, sha, records, train, val, cache, vocab_ranking(train, cache, model.config.vocab_size),
-                teacher_key, time.time() - t0)
+                teacher.key, time.time() - t0)
 
 
 def vocab_ranking(train: Split, cache: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
@@ -545,4 +519,5 @@ def cmd_self_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["AdapterRun", "Head", "cmd_self_spec", "compute_cache", "dense_passes", "distill_loss", "evaluate"]
+__all__ = ["AdapterRun", "Head", "adapter_caches", "cmd_self_spec", "dense_passes", "distill_loss", "evaluate",
+           "fill_adapter_caches"]

@@ -7,9 +7,9 @@ on). Held-out splits go by prompt id, so a prompt's greedy and sampled answers n
 
 :class:`TargetPasses` is the one hidden-state pass: whole sequences, many per forward, through the engine's own
 paged attention and kernels (so the cached states are the ones the drafter will read at inference), on a KV pool
-of its own or the engine's, each batch's blocks freed before the next. Each trainer keeps what it needs of it in
-its own cache file (Medusa: final-norm features at answer positions; the adapters: h_L at every position and the
-teacher's top-k logits).
+of its own or the engine's, each batch's blocks freed before the next. :class:`HiddenCache` is the one on-disk
+cache of what it computes, resumable and keyed by the data and settings (Medusa keeps final-norm features at
+answer positions there; the adapters h_L at every position and the teacher's top-k logits).
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
@@ -33,6 +36,7 @@ from leapdecode.speculative.shadow_cache import Shadow
 SAMPLES_FILE = "samples.jsonl"
 MANIFEST_FILE = "manifest.json"
 PASS_BLOCK = 16  # block size of a pool made for training passes
+CACHE_META = "meta.json"
 
 
 # ---------------------------------------------------------------------------------------------- samples
@@ -223,6 +227,104 @@ def gather_batch(split: Split, idx: list[int], cache: dict[str, Any], device: to
                  torch.cat(vals).to(device, torch.float32), torch.cat(ids).to(device, torch.long))
 
 
+# ------------------------------------------------------------------------------------------ hidden cache
+@dataclass(frozen=True)
+class CachedArray:
+    """One array of a :class:`HiddenCache`: ``rows[i]`` rows of ``width`` values for sequence i."""
+
+    rows: list[int]
+    width: int
+    dtype: str  # a numpy dtype name: "float16", "int32"
+
+
+class HiddenCache:
+    """Target-pass results over a list of sequences on disk, the one cache every trainer keeps them in: one
+    ``.npy`` per array (sequence i's rows at ``starts[i]:starts[i + 1]``) and ``meta.json`` with the key it was
+    built for and how many sequences are done. Filled batch by batch (:func:`fill_caches`), so an interrupted
+    build resumes; a different key (other data, model or settings) starts it afresh."""
+
+    def __init__(self, folder: Path, key: dict[str, Any], arrays: dict[str, CachedArray]) -> None:
+        self.folder, self.key, self.arrays = Path(folder), key, arrays
+        self.starts = {n: np.concatenate([[0], np.cumsum(a.rows)]).astype(np.int64) for n, a in arrays.items()}
+        meta = None
+        if (self.folder / CACHE_META).is_file():
+            try:
+                meta = json.loads((self.folder / CACHE_META).read_text())
+            except ValueError:
+                meta = None  # a damaged meta file: rebuild
+        self.fresh = meta is None or meta.get("key") != key or not all((self.folder / f"{n}.npy").is_file()
+                                                                        for n in arrays)
+        self.meta = {"key": key, "done": 0, "complete": False, "seconds": 0.0} if self.fresh else meta
+        self._maps: dict[str, np.ndarray] = {}
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.meta["complete"])
+
+    @property
+    def done(self) -> int:
+        return int(self.meta["done"])
+
+    def open(self) -> None:
+        """Memory-map the arrays for writing (created when fresh)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name, a in self.arrays.items():
+            path = self.folder / f"{name}.npy"
+            shape = (int(self.starts[name][-1]), a.width)
+            self._maps[name] = np.lib.format.open_memmap(path, mode="w+", dtype=a.dtype, shape=shape) \
+                if self.fresh else np.lib.format.open_memmap(path, mode="r+")
+        self._write_meta()
+
+    def write(self, name: str, seq: int, rows: torch.Tensor) -> None:
+        st = self.starts[name]
+        self._maps[name][st[seq] : st[seq + 1]] = rows.numpy().astype(self.arrays[name].dtype)
+
+    def advance(self, done: int, seconds: float, complete: bool = False) -> None:
+        for m in self._maps.values():
+            m.flush()
+        self.meta.update(done=done, complete=complete, seconds=round(self.meta["seconds"] + seconds, 1))
+        self._write_meta()
+
+    def load(self, name: str, in_memory: bool = True) -> np.ndarray:
+        arr = np.load(self.folder / f"{name}.npy", mmap_mode="r")
+        return np.array(arr) if in_memory else arr  # a copy in memory: random batches read RAM, not disk pages
+
+    def _write_meta(self) -> None:
+        (self.folder / CACHE_META).write_text(json.dumps(self.meta))
+
+
+def fill_caches(caches: list[HiddenCache], groups: list[list[int]],
+                compute: Callable[[list[int]], dict[str, list[torch.Tensor]]], desc: str) -> None:
+    """Fill the incomplete ``caches`` group by group: ``compute(seqs)`` returns, per array name, one tensor of
+    rows per sequence (the arrays of every cache it fills); each cache resumes after its own last done sequence."""
+    todo = [c for c in caches if not c.complete]
+    if not todo:
+        return
+    for c in todo:
+        c.open()
+    start = min(c.done for c in todo)
+    bar = tqdm(total=sum(len(g) for g in groups), initial=sum(len(g) for g in groups if g[-1] < start), desc=desc,
+               unit="seq")
+    t0 = time.time()
+    for g in groups:
+        g = [i for i in g if i >= start]
+        if not g:
+            continue
+        out = compute(g)
+        for c in todo:
+            for name in c.arrays:
+                for i, rows in zip(g, out[name]):
+                    if i >= c.done:
+                        c.write(name, i, rows)
+        for c in todo:
+            c.advance(max(c.done, g[-1] + 1), time.time() - t0)
+        t0 = time.time()
+        bar.update(len(g))
+    bar.close()
+    for c in todo:
+        c.advance(c.done, 0.0, complete=True)
+
+
 # --------------------------------------------------------------------------------------- target passes
 class TargetPasses:
     """Batched target forwards over whole sequences for training caches (module docstring)."""
@@ -295,6 +397,9 @@ class TargetPasses:
 
 __all__ = [
     "Batch",
+    "CachedArray",
+    "HiddenCache",
+    "fill_caches",
     "Record",
     "Split",
     "gather_batch",

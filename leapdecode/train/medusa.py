@@ -61,7 +61,16 @@ from leapdecode.speculative import tree as T
 from leapdecode.speculative.artifacts import lm_head_fingerprint, save_heads
 from leapdecode.speculative.heads import MedusaHeads, masked_argmax_chain, parse_layout, ranked_candidates
 from leapdecode.speculative.methods.medusa import DEFAULT_TOP_K
-from leapdecode.train.data import TargetPasses, batches_by_tokens, file_sha256, read_manifest, read_samples
+from leapdecode.train.data import (
+    CachedArray,
+    HiddenCache,
+    TargetPasses,
+    batches_by_tokens,
+    file_sha256,
+    fill_caches,
+    read_manifest,
+    read_samples,
+)
 from leapdecode.train.loop import has_checkpoint, load_checkpoint, save_checkpoint, warmup_cosine_lr
 from leapdecode.train.medusa_loss import TrainableHeads, head_losses, weighted_loss
 from leapdecode.train.medusa_schedules import CurriculumSampler, CurriculumSchedule, ProgressiveSchedule
@@ -154,63 +163,40 @@ def per_offset(values: Seq[float], max_offset: int, extend: str) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------ hidden cache
-def build_hidden_cache(cfg: MedusaTrainConfig, llm, samples_path: Path, log=print) -> Path:
-    """Write (or finish) the cache folder: hidden.npy [N, d] fp16, tokens.npy / positions.npy int32 [N],
-    starts.npy int64 [S + 1], ids.json, meta.json. Resumable batch by batch; rebuilt if the data changed."""
-    cache = cfg.cache
+def build_hidden_cache(cfg: MedusaTrainConfig, llm: LLM, samples_path: Path, log=print) -> Path:
+    """Write (or finish) the cache folder (data.HiddenCache): hidden.npy [N, d] fp16, the final-norm features at
+    every answer position, and beside it tokens.npy / positions.npy int32 [N], starts.npy int64 [S + 1], ids.json.
+    Resumable batch by batch; rebuilt if the data changed."""
     samples = read_samples(samples_path, cfg.limit_samples)
     if not samples:
         raise ValueError(f"{samples_path} has no samples with answers")
     key = {"samples": file_sha256(samples_path)[:16], "limit": cfg.limit_samples,
-           "model": str(llm.engine.model_path),
-           "dtype": cfg.dtype, "precision": cfg.cache_precision}
-    meta_path = cache / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if meta is not None and meta.get("key") == key and meta.get("complete"):
-        return cache
+           "model": str(llm.engine.model_path), "dtype": cfg.dtype, "precision": cfg.cache_precision}
     lengths = [len(s["output_token_ids"]) for s in samples]
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    n, d = int(starts[-1]), llm.engine.model_config.hidden_size
-    fresh = meta is None or meta.get("key") != key
-    cache.mkdir(parents=True, exist_ok=True)
-    if fresh:
-        meta = {"key": key, "done": 0, "complete": False, "num_rows": n, "hidden_size": d,
-                "num_samples": len(samples), "seconds": 0.0}
-        tokens = np.concatenate([np.asarray(s["output_token_ids"], dtype=np.int32) for s in samples])
-        positions = np.concatenate([np.arange(len(s["prompt_token_ids"]) - 1,
-                                              len(s["prompt_token_ids"]) - 1 + len(s["output_token_ids"]))
-                                    for s in samples]).astype(np.int32)
-        np.save(cache / "tokens.npy", tokens)
-        np.save(cache / "positions.npy", positions)
-        np.save(cache / "starts.npy", starts)
-        (cache / "ids.json").write_text(json.dumps([str(s.get("id", i)) for i, s in enumerate(samples)]))
-        hid = np.lib.format.open_memmap(cache / "hidden.npy", mode="w+", dtype=np.float16, shape=(n, d))
-    else:
-        hid = np.lib.format.open_memmap(cache / "hidden.npy", mode="r+")
-    done = int(meta["done"])
-    seq_lens = [len(s["prompt_token_ids"]) + len(s["output_token_ids"]) - 1 for s in samples]
-    groups = [g for g in batches_by_tokens(seq_lens, cfg.cache_batch_tokens) if g[-1] >= done]
-    t0 = time.time()
+    d = llm.engine.model_config.hidden_size
+    cache = HiddenCache(cfg.cache, key, {"hidden": CachedArray(lengths, d, "float16")})
+    if cache.complete:
+        return cfg.cache
+    if cache.fresh:
+        cfg.cache.mkdir(parents=True, exist_ok=True)
+        np.save(cfg.cache / "tokens.npy", np.concatenate([np.asarray(s["output_token_ids"], dtype=np.int32)
+                                                          for s in samples]))
+        np.save(cfg.cache / "positions.npy", np.concatenate([
+            np.arange(len(s["prompt_token_ids"]) - 1, len(s["prompt_token_ids"]) - 1 + len(s["output_token_ids"]))
+            for s in samples]).astype(np.int32))
+        np.save(cfg.cache / "starts.npy", cache.starts["hidden"])
+        (cfg.cache / "ids.json").write_text(json.dumps([str(s.get("id", i)) for i, s in enumerate(samples)]))
     passes = TargetPasses.of_engine(llm.engine)
-    bar = tqdm(total=n, initial=int(starts[done]), desc="hidden cache", unit="tok")
-    for g in groups:
-        g = [i for i in g if i >= done]
+
+    def compute(seqs: list[int]) -> dict[str, list[torch.Tensor]]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.cache_precision == "bf16"):
-            rows = passes.answer_features([samples[i] for i in g], llm.engine.max_model_len)
-        for i, h in zip(g, rows):
-            hid[starts[i] : starts[i + 1]] = h.numpy().astype(np.float16)
-        hid.flush()
-        done = g[-1] + 1
-        meta["done"] = done
-        meta["seconds"] = round(meta["seconds"] + time.time() - t0, 1)
-        t0 = time.time()
-        meta_path.write_text(json.dumps(meta))
-        bar.update(int(starts[done] - starts[g[0]]))
-    bar.close()
-    meta["complete"] = True
-    meta_path.write_text(json.dumps(meta))
-    log(f"hidden cache: {n} answer positions from {len(samples)} samples in {meta['seconds']:.0f} s -> {cache}")
-    return cache
+            return {"hidden": passes.answer_features([samples[i] for i in seqs], llm.engine.max_model_len)}
+
+    seq_lens = [len(s["prompt_token_ids"]) + len(s["output_token_ids"]) - 1 for s in samples]
+    fill_caches([cache], batches_by_tokens(seq_lens, cfg.cache_batch_tokens), compute, "hidden cache")
+    log(f"hidden cache: {sum(lengths)} answer positions from {len(samples)} samples in {cache.meta['seconds']:.0f} s "
+        f"-> {cfg.cache}")
+    return cfg.cache
 
 
 @dataclass

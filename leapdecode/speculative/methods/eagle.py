@@ -53,8 +53,9 @@ import torch
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
-from leapdecode.speculative.methods.self_spec import Plan, SelfSpecProposer
-from leapdecode.speculative.options import EagleTreeOptions
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.methods.self_spec import DEFAULT_MIN_DRAFT_PROB, Plan, SelfSpecProposer
+from leapdecode.speculative.options import DraftPrecision, EagleTreeOptions
 from leapdecode.speculative.policy import expected_tokens
 from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
 from leapdecode.speculative.shadow_cache import attach_probs
@@ -101,8 +102,9 @@ class EagleProposer(SelfSpecProposer):
 
     name = "eagle"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, view: EngineView, adapter: ExitAdapter, min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB,
+                 vocab_subset: torch.Tensor | None = None, draft_precision: DraftPrecision = "int8") -> None:
+        super().__init__(view, adapter, min_draft_prob, vocab_subset, draft_precision)
         self.configure_tree(EagleTreeOptions())  # a chain until the config asks for a tree
 
     @classmethod
