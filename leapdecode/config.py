@@ -7,8 +7,21 @@ from typing import Any
 
 import torch
 
+from leapdecode.speculative.options import (
+    METHODS,
+    OPTION_GROUPS,
+    AutoOptions,
+    BlockwiseOptions,
+    DrafterOptions,
+    EagleTreeOptions,
+    HybridOptions,
+    MedusaOptions,
+    MethodName,
+    split_options,
+)
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SPEC_METHODS = ("ngram", "draft_model", "self_spec", "eagle", "medusa", "hybrid", "blockwise", "auto")
+SPEC_METHODS = METHODS
 LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
 
 
@@ -17,16 +30,21 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
-    """Mirrors vLLM's ``speculative_config`` dict. ``num_speculative_tokens=None`` enables the dynamic-γ rule."""
+    """Mirrors vLLM's ``speculative_config`` dict. ``num_speculative_tokens=None`` enables the dynamic-γ rule.
 
-    method: str
+    The fields up to ``draft_linear_kernel`` apply to every method; the method's own knobs are typed groups
+    (leapdecode/speculative/options.py) that ``from_dict`` fills from the flat dict, refusing a key the method
+    does not read."""
+
+    method: MethodName
     model: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    # dynamic draft length (technique brief §2.1)
+    # dynamic draft length (speculative/policy.py): +1 after raise_after verifications above raise_above, -1
+    # after lower_after below lower_below, within [gamma_min, gamma_max]
     gamma_init: int = 3
     gamma_max: int = 8
     gamma_min: int = 1
@@ -37,26 +55,39 @@ class SpeculativeConfig:
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
     # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
-    # int8 activations while the target verifies in float32 -- mixed precision by phase (technique brief §6);
-    # None = the target's. With "model": "target" the drafter is the target model itself.
+    # int8 activations while the target verifies in float32 (the target checks every token, so the drafter's
+    # precision moves acceptance, never the output); None = the target's. With "model": "target" the drafter
+    # is the target model itself.
     draft_linear_kernel: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    drafter: DrafterOptions = field(default_factory=DrafterOptions)
+    eagle_tree: EagleTreeOptions = field(default_factory=EagleTreeOptions)
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
+    blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
+    hybrid: HybridOptions = field(default_factory=HybridOptions)
+    auto: AutoOptions = field(default_factory=AutoOptions)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig | None:
+    def common_keys(cls) -> tuple[str, ...]:
+        """The keys every method takes (the rest belong to one method's option groups)."""
+        return tuple(f.name for f in fields(cls) if f.name not in OPTION_GROUPS)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         if d is None:
             return None
         if isinstance(d, SpeculativeConfig):
             return d
         if not isinstance(d, dict) or "method" not in d:
             raise ValueError('speculative_config must be a dict with a "method" key, e.g. {"method": "ngram"}')
-        known = {f.name for f in fields(cls)} - {"extra"}
-        main = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known}
-        return cls(**main, extra=extra)
+        method = d["method"]
+        _check(method in METHODS, f"unknown speculative method {method!r}; choose from {METHODS}")
+        common = cls.common_keys()
+        main = {k: v for k, v in d.items() if k in common}
+        groups = split_options(method, {k: v for k, v in d.items() if k not in common}, common)
+        return cls(**main, **{g: OPTION_GROUPS[g](**kw) for g, kw in groups.items()})
 
     def __post_init__(self) -> None:
-        _check(self.method in SPEC_METHODS, f"unknown speculative method {self.method!r}; choose from {SPEC_METHODS}")
+        _check(self.method in METHODS, f"unknown speculative method {self.method!r}; choose from {METHODS}")
         if self.num_speculative_tokens is not None:
             _check(
                 isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
@@ -76,6 +107,8 @@ class SpeculativeConfig:
             self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,
             f"draft_linear_kernel must be None or one of {LINEAR_KERNELS}, got {self.draft_linear_kernel!r}",
         )
+        for name, kind in OPTION_GROUPS.items():
+            _check(isinstance(getattr(self, name), kind), f"{name} must be a {kind.__name__}")
 
     @property
     def max_draft_tokens(self) -> int:

@@ -153,7 +153,8 @@ def assert_no_leaks(llm) -> None:
 def save_random_heads(folder: Path, offsets, seed: int, first_head_seed: int) -> Path:
     """Untrained heads for the tiny models, with large random weights so their candidates are arbitrary tokens,
     saved as a heads artefact in ``folder`` (shared by the Medusa and blockwise tests)."""
-    from leapdecode.spec.medusa import MedusaHeads, save_heads
+    from leapdecode.speculative.artifacts import save_heads
+    from leapdecode.speculative.heads import MedusaHeads
 
     heads = MedusaHeads(TINY_DEFAULTS["hidden_size"], offsets)
     heads.init_weights(seed=seed, std=0.5)

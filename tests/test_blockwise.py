@@ -1,30 +1,22 @@
-"""Blockwise parallel decoding: the block-causal mask against its definition, checkpointed training, exact mode is
-lossless at batch > 1, top-k mode keeps a superset of exact mode's drafts, and config mistakes are clear errors."""
+"""Blockwise parallel decoding: exact mode is lossless at batch > 1, top-k mode keeps a superset of exact mode's
+drafts, and config mistakes are clear errors."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
-from leapdecode.spec import blockwise as B
-from leapdecode.spec.blockwise import BlockwiseProposer, BlockwiseSettings, topk_accepted
-from leapdecode.spec.medusa import PYRAMID, MedusaHeads, save_heads
-from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.speculator import Speculator
-from leapdecode.spec.verify import verify_greedy
-from leapdecode.train.blockwise import (
-    SemiARLayer,
-    block_causal_block_mask,
-    block_causal_mask,
-    semi_ar_loss,
-    train_step_memory,
-)
+from leapdecode.speculative.acceptance import topk_accepted, verify_greedy
+from leapdecode.speculative.artifacts import save_heads
+from leapdecode.speculative.heads import PYRAMID, MedusaHeads
+from leapdecode.speculative.methods import blockwise as B
+from leapdecode.speculative.methods.blockwise import BlockwiseProposer, BlockwiseSettings
+from leapdecode.speculative.proposer import Proposal
+from leapdecode.speculative.speculator import Speculator
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, save_random_heads
@@ -35,83 +27,6 @@ SHAPES = [(1, 1), (7, 1), (8, 4), (10, 4), (13, 5), (16, 16), (5, 8), (23, 3)]  
 
 def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-# -------------------------------------------------------------------------------------------------- mask
-@pytest.mark.parametrize(("length", "block"), SHAPES)
-def test_block_causal_mask_equals_its_definition(length, block):
-    mask = block_causal_mask(length, block)
-    want = torch.zeros(length, length, dtype=torch.bool)
-    for i in range(length):
-        for j in range(length):
-            # own block and every earlier block, never a later one
-            want[i, j] = (j // block) <= (i // block)
-    assert mask.dtype == torch.bool and torch.equal(mask, want)
-    if length > block:  # the earlier blocks are visible (the circulating sample's `mask[s:e, :s] = 0` hides them)
-        assert bool(mask[block:, :block].all())
-        assert not bool(mask[:block, block:].any())
-
-
-def test_block_causal_mask_limits():
-    assert torch.equal(block_causal_mask(9, 1), torch.ones(9, 9, dtype=torch.bool).tril())  # block 1 = causal
-    assert bool(block_causal_mask(6, 6).all()) and bool(block_causal_mask(6, 100).all())  # one block = full
-    with pytest.raises(ValueError):
-        block_causal_mask(4, 0)
-
-
-@pytest.mark.parametrize(("length", "block"), [(10, 4), (13, 5), (16, 16), (23, 3)])
-def test_sdpa_and_flex_attention_with_the_mask_equal_a_manual_softmax(length, block):
-    g = torch.Generator().manual_seed(length * 31 + block)
-    q, k, v = (torch.randn(1, 2, length, 8, generator=g) for _ in range(3))
-    mask = block_causal_mask(length, block)
-    scores = (q @ k.transpose(-1, -2)) / 8**0.5
-    manual = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert torch.allclose(sdpa, manual, atol=1e-5)
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-    except ImportError:  # pragma: no cover - torch without flex attention
-        pytest.skip("flex attention not available")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager flex attention on CPU warns that it is unfused
-        flex = flex_attention(q, k, v, block_mask=block_causal_block_mask(length, block))
-    assert torch.allclose(flex, manual, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------- training
-def _layer_and_data(block: int = 4, t: int = 45, vocab: int = 300, d: int = 32):
-    torch.manual_seed(0)
-    lm = torch.randn(vocab, d)
-    layer = SemiARLayer(d, 4, block, lm)
-    with torch.no_grad():  # past the zero start, so every parameter has a gradient
-        for p in layer.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hidden = torch.randn(t, d)
-    targets = torch.randint(0, vocab, (t,))
-    targets[-3:] = -1
-    return layer, hidden, targets
-
-
-def test_block_by_block_loss_equals_the_full_sequence_under_the_block_causal_mask():
-    layer, hidden, targets = _layer_and_data()
-    full = F.cross_entropy(layer.forward_full(hidden), targets, ignore_index=-1)
-    assert torch.allclose(semi_ar_loss(layer, hidden, targets), full, atol=1e-5)
-    # a position never sees a later block: changing the last block's inputs leaves earlier logits unchanged
-    moved = hidden.clone()
-    moved[-8:] += 5.0  # hidden rows 37..44 feed positions 41..48 (inputs shift by one block)
-    a, b = layer.forward_full(hidden), layer.forward_full(moved)
-    assert torch.allclose(a[:40], b[:40], atol=1e-5) and not torch.allclose(a[40:], b[40:])
-
-
-def test_checkpointed_training_gives_the_same_gradients_with_a_lower_peak():
-    layer, hidden, targets = _layer_and_data(block=4, t=64, vocab=4000)
-    peak_plain, loss_plain, g_plain = train_step_memory(layer, hidden, targets, checkpoint=False)
-    peak_ckpt, loss_ckpt, g_ckpt = train_step_memory(layer, hidden, targets, checkpoint=True)
-    assert loss_plain == pytest.approx(loss_ckpt, abs=1e-6)
-    assert len(g_plain) == len(g_ckpt) == len(list(layer.parameters()))
-    assert max(float((a - b).abs().max()) for a, b in zip(g_plain, g_ckpt)) <= 1e-5
-    # 16 blocks of [4, 4000] logits (+ softmax) kept vs one block's at a time
-    assert peak_ckpt < 0.5 * peak_plain, (peak_plain, peak_ckpt)
 
 
 # ------------------------------------------------------------------------------------------ acceptance

@@ -163,19 +163,19 @@ def test_logits_close_to_hf(bundled_llm: LLM, hf_bundled: torch.nn.Module, chat_
 def test_shipped_eagle_draft_is_lossless_and_accepted_on_the_bundled_model(bundled_llm: LLM) -> None:
     """The shipped feature-conditioned draft runs without arguments, is offered by ``auto``, drafts tokens the
     bundled model accepts, and leaves greedy output unchanged."""
-    from leapdecode.spec.feature_draft import FeatureDraftProposer
+    from leapdecode.speculative.methods.eagle import EagleProposer
 
     params = SamplingParams(temperature=0, max_tokens=48)
     want = [o.outputs[0].token_ids for o in bundled_llm.chat(CONVERSATIONS, params, use_tqdm=False)]
     spec = LLM.from_engine_of(bundled_llm, speculative_config={"method": "eagle", "num_speculative_tokens": 3,
                                                                "use_cost_model": False})
-    assert isinstance(spec.engine.speculator.proposer, FeatureDraftProposer)
+    assert isinstance(spec.engine.speculator.proposer, EagleProposer)
     outs = spec.chat(CONVERSATIONS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
     assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
     assert spec.engine.speculator.proposer.num_fallback_tokens == 0
-    from leapdecode.spec.speculator import auto_methods
+    from leapdecode.speculative.policy import auto_methods
 
-    assert "eagle" in auto_methods(spec.engine.config.speculative_config, spec.engine)
+    assert "eagle" in auto_methods(spec.engine.config.speculative_config, spec.engine.model)

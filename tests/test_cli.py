@@ -9,12 +9,28 @@ import pytest
 from leapdecode.cli import build_parser, main
 
 
-@pytest.mark.parametrize("cmd", ["generate", "chat", "serve", "bench", "train", "plan", "train distill-data"])
+@pytest.mark.parametrize("cmd", ["generate", "chat", "serve", "bench", "train", "plan", "train distill-data",
+                                 "train eagle"])
 def test_every_subcommand_has_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([*cmd.split(), "--help"])
     assert e.value.code == 0
     assert "usage: leapdecode" in capsys.readouterr().out
+
+
+def test_train_eagle_is_train_draft_with_features():
+    """One name per technique: `leapdecode train eagle` trains what `train draft --features` trains, and its
+    record's command says so."""
+    from leapdecode.train.adapter import command_line
+
+    p = build_parser()
+    eagle = vars(p.parse_args(["train", "eagle", "--data", "D"]))
+    draft = vars(p.parse_args(["train", "draft", "--features", "--layers", "1", "--data", "D"]))
+    assert eagle["features"] is True and eagle["layer"] == 0
+    assert {k: v for k, v in eagle.items() if k != "train_command"} == \
+        {k: v for k, v in draft.items() if k != "train_command"}
+    line = command_line(p.parse_args(["train", "eagle", "--data", "D"]))
+    assert line.startswith("leapdecode train eagle --layers 1 ") and "--features" not in line
 
 
 def test_generate_json(tiny_model_dir, capsys):
@@ -103,7 +119,7 @@ def test_ceiling_is_acceptance_over_the_targets_step_cost_at_the_verified_rows()
     """--ceiling: a row's verified rows are 1 + its drafts per step, and its ceiling is mean accepted x t(1) /
     t(rows) under the measured step costs; plain decoding's is 1.0, and batched rows get none."""
     from leapdecode.bench.benchmark import Row, add_ceiling, format_table
-    from leapdecode.spec.dynamic_gamma import StepCostModel
+    from leapdecode.speculative.policy import StepCostModel
 
     costs = StepCostModel([(1, 0.010), (3, 0.012), (5, 0.016)])
     plain = Row("leapdecode", "none", 1, 2, 100, 50.0, 1.0, 1.0)

@@ -1,6 +1,6 @@
 """The feature-conditioned (EAGLE-style) draft: lossless, conditioned on the target's own features for every
 committed token (never its own), never recomputes the target, consistent between training and inference, and
-`leapdecode train draft --features` lowers its loss and writes an artefact `draft_model` runs."""
+`leapdecode train draft --features` lowers its loss and writes an artefact the `eagle` method runs."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.cli import main
 from leapdecode.layers import small_gemm
 from leapdecode.models.loader import load_model
-from leapdecode.spec.feature_draft import FeatureDraftProposer
-from leapdecode.spec.medusa import PYRAMID
-from leapdecode.spec.self_spec import ExitAdapter, load_adapter, save_adapter
-from leapdecode.spec.tree import depths_of
-from leapdecode.train.self_spec import Batch, dense_passes
+from leapdecode.speculative.artifacts import load_adapter, save_adapter
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.heads import PYRAMID
+from leapdecode.speculative.methods.eagle import EagleProposer
+from leapdecode.speculative.tree import depths_of
+from leapdecode.train.adapter import dense_passes
+from leapdecode.train.data import Batch
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, distill_tiny, layer_row_counters, save_random_heads
@@ -78,7 +80,7 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
 
 def _spec(plain: LLM, folder: Path, **kw) -> LLM:
     # float32 drafting: the exact draft must reproduce the target (int8 drafting: test_int8_drafting_...)
-    cfg = {"method": "draft_model", "model": str(folder), "use_cost_model": False, "min_draft_prob": 0.0,
+    cfg = {"method": "eagle", "model": str(folder), "use_cost_model": False, "min_draft_prob": 0.0,
            "draft_precision": "float32", **kw}
     return LLM.from_engine_of(plain, speculative_config=cfg, kv_cache_blocks=256, block_size=4)
 
@@ -103,7 +105,7 @@ def test_training_passes_match_the_paged_inference_forward(tiny4):
     from leapdecode.engine.block_manager import BlockManager
     from leapdecode.engine.kv_cache import KVCache
     from leapdecode.engine.model_runner import ForwardItem, ModelRunner
-    from leapdecode.spec.draft_model import _Shadow
+    from leapdecode.speculative.shadow_cache import Shadow
 
     model, cfg = load_model(tiny4)
     torch.manual_seed(1)
@@ -124,7 +126,7 @@ def test_training_passes_match_the_paged_inference_forward(tiny4):
         runner = ModelRunner(model, kv, 4, torch.device("cpu"))
         emb = model.embed_tokens(tokens[0])
         for k, prev in enumerate([f, outs[0][0]]):
-            sh = _Shadow()
+            sh = Shadow()
             bm.allocate(sh, t)
             _, pos, meta, _ = runner.prepare([ForwardItem(sh.block_table, 0, [0] * t, list(range(t)))])
             shifted = torch.cat([torch.zeros(1, cfg.hidden_size), prev[:-1]])
@@ -144,7 +146,7 @@ def test_feature_draft_is_lossless_and_reads_the_targets_own_features(name, plai
     want = _tokens(plain1, PROMPTS, GREEDY)
     spec = _spec(plain1, near_exact[name])
     prop = spec.engine.speculator.proposer
-    assert isinstance(prop, FeatureDraftProposer)
+    assert isinstance(prop, EagleProposer)
     model = spec.engine.model
     assert list(spec.engine.runner.captures) == [model.config.num_hidden_layers]
     seen: list[tuple[str, int, torch.Tensor]] = []
@@ -191,7 +193,7 @@ def test_sampling_batching_and_preemption(plain1, near_exact):
               for i in range(6)]
     prompts = PROMPTS + PROMPTS[:2]
     want = _tokens(plain1, prompts, params)
-    spec = LLM.from_engine_of(plain1, speculative_config={"method": "draft_model", "model": str(near_exact["rough"]),
+    spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["rough"]),
                                                           "use_cost_model": False, "min_draft_prob": 0.0},
                               kv_cache_blocks=60, block_size=4)
     outs = spec.generate(prompts, params, use_tqdm=False)
@@ -205,7 +207,7 @@ def test_sampling_batching_and_preemption(plain1, near_exact):
     assert a == b and spec2.engine.stats["num_draft_tokens"] > 0
 
 
-def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid(trained, plain4, want, tmp_path):
+def test_train_draft_features_lowers_its_loss_and_runs_in_eagle_and_hybrid(trained, plain4, want, tmp_path):
     out = trained
     rec = json.loads((out / "record.json").read_text())
     assert rec["command"].startswith("leapdecode train draft --layers 1 ") and "--features" in rec["command"]
@@ -215,9 +217,12 @@ def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid
     assert "agree_own_features" in hist[-1]
     assert json.loads((out / "config.json").read_text())["input"] == "features"
     spec = _spec(plain4, out)
-    assert isinstance(spec.engine.speculator.proposer, FeatureDraftProposer)
+    assert isinstance(spec.engine.speculator.proposer, EagleProposer)
     assert _tokens(spec, PROMPTS, GREEDY) == want
     assert spec.engine.stats["num_draft_tokens"] > 0
+    # one name per technique: draft_model never runs the EAGLE drafter, it says which method does
+    with pytest.raises(ValueError, match='run it with the "eagle" method'):
+        LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "model": str(out)})
     # the trunk of a hybrid: branches that win are compacted into the sequential slots, and the captured
     # features follow them there (no fallback pass)
     heads = _heads(tmp_path)
@@ -227,7 +232,7 @@ def test_train_draft_features_lowers_its_loss_and_runs_in_draft_model_and_hybrid
     outs = hyb.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     prop = hyb.engine.speculator.proposer
-    assert isinstance(prop.chain, FeatureDraftProposer) and prop.chain.num_fallback_tokens == 0
+    assert isinstance(prop.chain, EagleProposer) and prop.chain.num_fallback_tokens == 0
     assert_no_leaks(hyb)
     chain = prop.chain  # compaction moves the stored features and tags with the K/V
     src, dst = torch.tensor([5, 9]), torch.tensor([1, 2])
@@ -241,26 +246,26 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     """``{"method": "eagle"}`` runs a feature draft (by path, or the shipped one), ``auto`` offers the shipped one
     for its own target, a hybrid takes it as its trunk, and a folder that is not a feature draft is a clear
     error."""
-    from leapdecode.spec import self_spec
-    from leapdecode.spec.speculator import auto_methods
+    from leapdecode.speculative import artifacts
+    from leapdecode.speculative.policy import auto_methods
 
     want = _tokens(plain1, PROMPTS, GREEDY)
     spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["rough"]),
                                                           "use_cost_model": False, "min_draft_prob": 0.0},
                               kv_cache_blocks=256)
-    assert isinstance(spec.engine.speculator.proposer, FeatureDraftProposer)
+    assert isinstance(spec.engine.speculator.proposer, EagleProposer)
     assert _tokens(spec, PROMPTS, GREEDY) == want
-    monkeypatch.setattr(self_spec, "EAGLE_DIR", near_exact["exact"])  # "ship" it
+    monkeypatch.setattr(artifacts, "EAGLE_DIR", near_exact["exact"])  # "ship" it
     shipped = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "use_cost_model": False,
                                                              "min_draft_prob": 0.0, "draft_precision": "float32"},
                                  kv_cache_blocks=256)
     assert _tokens(shipped, PROMPTS, GREEDY) == want
     assert shipped.engine.stats["num_accepted_tokens"] == shipped.engine.stats["num_draft_tokens"] > 0  # the exact one
-    assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine)
+    assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine.model)
     hyb = LLM.from_engine_of(plain1, speculative_config={
         "method": "hybrid", "trunk": "eagle", "heads": str(_heads(tmp_path)), "use_cost_model": False,
         "num_speculative_tokens": 3, "min_draft_prob": 0.0}, kv_cache_blocks=256, block_size=4)
-    assert isinstance(hyb.engine.speculator.proposer.chain, FeatureDraftProposer)
+    assert isinstance(hyb.engine.speculator.proposer.chain, EagleProposer)
     assert _tokens(hyb, PROMPTS, GREEDY) == want
     assert_no_leaks(hyb)
     model, _ = load_model(tiny1)
@@ -268,7 +273,7 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     save_adapter(ExitAdapter.from_target(model, 0, "next", 1), plain_draft, model, {})
     with pytest.raises(ValueError, match="feature-conditioned"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(plain_draft)})
-    monkeypatch.setattr(self_spec, "EAGLE_DIR", tmp_path / "none")
+    monkeypatch.setattr(artifacts, "EAGLE_DIR", tmp_path / "none")
     with pytest.raises(ValueError, match="train draft --features"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
 
@@ -319,7 +324,7 @@ def test_int8_drafting_falls_back_to_float32_without_a_fast_int8_kernel(plain1, 
 
 
 # beam 4 = 2 x 2: every node of the first two depths is expanded, so the tree holds all top-2 paths of depth 3
-TREE = {"tree_nodes": 64, "tree_topk": 2, "tree_beam": 4, "tree_depth": 3, "tree_min_prob": 0.0,
+TREE = {"tree_nodes": 64, "tree_top_k": 2, "tree_beam": 4, "tree_depth": 3, "tree_min_prob": 0.0,
         "draft_precision": "float32"}
 
 
@@ -334,7 +339,7 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
                                                           "use_cost_model": False, **TREE}, kv_cache_blocks=256,
                               block_size=4)
     prop = spec.engine.speculator.proposer
-    assert isinstance(prop, FeatureDraftProposer) and prop.tree_nodes == 64
+    assert isinstance(prop, EagleProposer) and prop.tree_nodes == 64
     depths: dict[str, int] = {}
     accepted: list[tuple[int, int]] = []
     orig_propose, orig_verified = prop.propose, prop.on_verified
@@ -374,7 +379,7 @@ def test_dynamic_tree_config_errors_and_hybrid_trunk(plain1, near_exact, tmp_pat
     base = {"model": str(near_exact["rough"])}
     hyb = LLM.from_engine_of(plain1, speculative_config={"method": "hybrid", "trunk": "eagle", **base,
                                                          "heads": str(_heads(tmp_path)), "tree_nodes": 4})
-    assert isinstance(hyb.engine.speculator.proposer.chain, FeatureDraftProposer)
+    assert isinstance(hyb.engine.speculator.proposer.chain, EagleProposer)
     assert hyb.engine.speculator.proposer.chain.tree_nodes == 0
     with pytest.raises(ValueError, match="tree_beam must be an integer >= 1"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_nodes": 4, "tree_beam": 0})

@@ -1,7 +1,7 @@
-"""Hybrid drafting (spec/hybrid.py): a chain drafter's trunk plus Medusa branches in one candidate tree. The tree
-has the documented shape, decoding is token-identical to plain decoding (greedy, and seeded sampling) with a
-self_spec or a draft-model trunk, the trunk drafter only keeps what was accepted of its own chain, and nothing
-leaks."""
+"""Hybrid drafting (speculative/methods/hybrid.py): a chain drafter's trunk plus Medusa branches in one candidate
+tree. The tree has the documented shape, decoding is token-identical to plain decoding (greedy, and seeded
+sampling) with a self_spec or a draft-model trunk, the trunk drafter only keeps what was accepted of its own chain,
+and nothing leaks."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.models.loader import load_model
-from leapdecode.spec.hybrid import HybridProposer, hybrid_tree
-from leapdecode.spec.medusa import PYRAMID
-from leapdecode.spec.self_spec import ExitAdapter, save_adapter
-from leapdecode.spec.tree import depths_of, path_to
+from leapdecode.speculative.artifacts import save_adapter
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.heads import PYRAMID
+from leapdecode.speculative.methods.hybrid import HybridProposer, hybrid_tree
+from leapdecode.speculative.tree import depths_of, path_to
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, save_random_heads
@@ -99,7 +100,7 @@ def test_hybrid_is_token_identical_to_plain_and_keeps_only_its_accepted_trunk(pl
     real = prop.chain.on_verified
 
     def spy(seq, num_prefix, num_accepted):  # what the trunk drafter is told vs the whole accepted path
-        seen.append((num_accepted, list(seq.spec_state["accepted_path"])))
+        seen.append((num_accepted, list(seq.draft_state.accepted_path)))
         real(seq, num_prefix, num_accepted)
         sh = prop.chain.shadows.get(seq.request_id)
         assert sh is None or sh.num_computed_tokens <= num_prefix + num_accepted

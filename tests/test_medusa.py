@@ -14,29 +14,20 @@ import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
-from leapdecode.spec.medusa import (
+from leapdecode.speculative.artifacts import load_heads, save_heads
+from leapdecode.speculative.heads import (
     ONE_PER_OFFSET,
     PYRAMID,
     MedusaHeads,
-    load_heads,
     masked_argmax_chain,
     parse_layout,
     ranked_candidates,
-    save_heads,
 )
-from leapdecode.spec.proposer import Proposal, Proposer
-from leapdecode.spec.speculator import Speculator
-from leapdecode.train.medusa import (
-    CurriculumSampler,
-    CurriculumSchedule,
-    MedusaTrainConfig,
-    MedusaTrainer,
-    ProgressiveSchedule,
-    TrainableHeads,
-    head_losses,
-    per_offset,
-    weighted_loss,
-)
+from leapdecode.speculative.proposer import Proposal, Proposer
+from leapdecode.speculative.speculator import Speculator
+from leapdecode.train.medusa import MedusaTrainConfig, MedusaTrainer, per_offset
+from leapdecode.train.medusa_loss import TrainableHeads, head_losses, weighted_loss
+from leapdecode.train.medusa_schedules import CurriculumSampler, CurriculumSchedule, ProgressiveSchedule
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks, save_random_heads
@@ -115,7 +106,7 @@ def test_artefact_round_trip_and_model_checks(tmp_path, random_heads, tiny_model
     with pytest.raises(FileNotFoundError, match="train medusa"):
         LLM.from_engine_of(plain, speculative_config=_spec(str(tmp_path / "nothing")))
     # the default ({"method": "medusa"}) loads the shipped heads, which are for the bundled model's hidden size
-    from leapdecode.spec.medusa import DEFAULT_HEADS_DIR
+    from leapdecode.speculative.artifacts import MEDUSA_DIR as DEFAULT_HEADS_DIR
 
     with pytest.raises((ValueError, FileNotFoundError), match="hidden size|train medusa"):
         LLM.from_engine_of(plain, speculative_config={"method": "medusa", "use_cost_model": False})
@@ -325,7 +316,7 @@ def test_short_training_run_lowers_loss_and_writes_a_loadable_resumable_checkpoi
     out = resumed.export(cfg.out, "pytest")
     meta = json.loads((out / "config.json").read_text())
     assert len(meta["validation"]["head_top1"]) == 10 and meta["tree"]["paths"]
-    assert json.loads((out / "recipe.json").read_text())["seed"] == 0
+    assert json.loads((out / "record.json").read_text())["seed"] == 0
     # the trained heads load, propose trees and decode losslessly. (Acceptance is not asserted here: a random tiny
     # model's text is barely predictable, ~3% top-1 after 40 steps; test_bundled_model checks the shipped heads.)
     # a fixed tree size: the exported default is sized from timings of this machine and may be 0 (no tree)
@@ -346,7 +337,7 @@ def test_cli_trains_exports_and_retunes_the_tree(distill_dir, tiny_model_dir, tm
                "--batch-size", "32", "--vocab-subset", "512", "--val-frac", "0.2",
                "--cache-dir", str(tmp_path / "c"), "--cache-precision", "bf16"])
     assert rc == 0 and "wrote Medusa heads" in capsys.readouterr().out
-    recipe = json.loads((out / "recipe.json").read_text())
+    recipe = json.loads((out / "record.json").read_text())
     assert recipe["command"].startswith("leapdecode ") and recipe["data"]["sha256_16"]
     heads, subset, meta = load_heads(out)
     assert heads.offsets == [1, 2, 3, 4] and len(subset) == 512 and meta["vocab_subset_size"] == 512

@@ -12,8 +12,10 @@ import torch
 from leapdecode import LLM, SamplingParams
 from leapdecode.cli import main
 from leapdecode.models.loader import load_model
-from leapdecode.spec import self_spec
-from leapdecode.spec.self_spec import ExitAdapter, SelfSpecProposer, load_adapter, save_adapter
+from leapdecode.speculative import artifacts
+from leapdecode.speculative.artifacts import load_adapter, save_adapter
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.methods.self_spec import SelfSpecProposer
 
 from .conftest import assert_no_leaks, distill_tiny, layer_row_counters
 
@@ -64,7 +66,7 @@ def test_dense_training_forward_matches_the_paged_inference_forward(tiny4, num_l
     from leapdecode.engine.block_manager import BlockManager
     from leapdecode.engine.kv_cache import KVCache
     from leapdecode.engine.model_runner import ForwardItem, ModelRunner
-    from leapdecode.spec.draft_model import _Shadow
+    from leapdecode.speculative.shadow_cache import Shadow
 
     model, cfg = load_model(tiny4)
     adapter = ExitAdapter.from_target(model, 2, "next", num_layers)
@@ -76,7 +78,7 @@ def test_dense_training_forward_matches_the_paged_inference_forward(tiny4, num_l
     kv = KVCache(replace(cfg, num_hidden_layers=num_layers), 8, 4, torch.float32, torch.device("cpu"))
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     runner = ModelRunner(model, kv, 4, torch.device("cpu"))
-    shadows = [_Shadow(), _Shadow()]
+    shadows = [Shadow(), Shadow()]
     for sh, n in zip(shadows, lens):
         bm.allocate(sh, n)
     items = [ForwardItem(sh.block_table, 0, [0] * n, list(range(n))) for sh, n in zip(shadows, lens)]
@@ -199,14 +201,14 @@ def test_sampling_with_self_spec_runs_and_accepts(adapters, plain4):
 
 def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapters, plain4, tiny4, want,
                                                                             monkeypatch, tmp_path):
-    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", tmp_path / "none")
+    monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", tmp_path / "none")
     with pytest.raises(ValueError, match="needs a trained drafter"):
         LLM.from_engine_of(plain4, speculative_config={"method": "self_spec"})
     with pytest.raises(ValueError, match="min_draft_prob"):
         _spec_llm(plain4, adapters["exact"], min_draft_prob=2)
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
     assert "self_spec" not in auto.engine.speculator.proposers
-    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", adapters["exact"])  # "ship" an adapter for this target
+    monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", adapters["exact"])  # "ship" an adapter for this target
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto", "use_cost_model": False},
                               kv_cache_blocks=256)
     assert set(auto.engine.speculator.proposers) == {"ngram", "self_spec"}
@@ -223,7 +225,7 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     cfg = json.loads((poor / "config.json").read_text())
     cfg["validation"] = {"agree": 0.02, "agree_confident": 0.02}
     (poor / "config.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(self_spec, "ARTIFACT_DIR", poor)
+    monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", poor)
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
     assert set(auto.engine.speculator.proposers) == {"ngram"} and auto.engine.speculator.dropped == {"self_spec": 0.02}
     assert not auto.engine.runner.captures
@@ -286,10 +288,10 @@ def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny
     assert _tokens(spec, PROMPTS, GREEDY) == want
     assert spec.engine.stats["num_draft_tokens"] > 0 and prop.num_fallback_tokens == 0
     assert_no_leaks(spec)
-    monkeypatch.setattr(self_spec, "DRAFT_DIR", out)  # "ship" it: draft_model with no path uses it
+    monkeypatch.setattr(artifacts, "DRAFT_DIR", out)  # "ship" it: draft_model with no path uses it
     shipped = LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "use_cost_model": False},
                                  kv_cache_blocks=256)
     assert shipped.engine.speculator.proposer.adapter.num_layers == 2
-    monkeypatch.setattr(self_spec, "DRAFT_DIR", tmp_path / "none")
+    monkeypatch.setattr(artifacts, "DRAFT_DIR", tmp_path / "none")
     with pytest.raises(ValueError, match="train draft"):
         LLM.from_engine_of(plain4, speculative_config={"method": "draft_model"})

@@ -726,7 +726,7 @@ def test_leapdecode_serve_prints_url_and_serves(tiny_model_dir) -> None:
 
 
 def test_speculation_is_reported_and_can_be_turned_off(tiny_model_dir, one_torch_thread) -> None:
-    pytest.importorskip("leapdecode.spec.speculator")
+    pytest.importorskip("leapdecode.speculative.speculator")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "use_cost_model": False}
     spec_llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, speculative_config=spec)
     prompt = "one two three four " * 4

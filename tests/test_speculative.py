@@ -8,8 +8,10 @@ from scipy.stats import chi2_contingency, chisquare
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
-from leapdecode.spec.dynamic_gamma import DynamicGamma, StepCostModel, expected_tokens
-from leapdecode.spec.verify import verify_greedy, verify_sampling
+from leapdecode.speculative.acceptance import verify_greedy, verify_sampling
+from leapdecode.speculative.policy import DynamicGamma, StepCostModel, expected_tokens
+from leapdecode.speculative.proposer import Proposal, Proposer
+from leapdecode.speculative.speculator import Speculator
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
@@ -229,6 +231,65 @@ def test_bad_speculative_config_is_a_clear_error(tiny_model_dir):
         LLM(model=str(tiny_model_dir), speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model=str(tiny_model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_unknown_speculative_option_is_an_error_naming_the_valid_ones(tiny_model_dir):
+    """A typo must not be silently ignored: the error names the key and the options the method does read."""
+    for cfg, key, valid in [
+        ({"method": "eagle", "tree_node": 4}, "tree_node", "tree_nodes"),
+        ({"method": "ngram", "min_draft_prob": 0.1}, "min_draft_prob", "prompt_lookup_min"),
+        ({"method": "medusa", "tree_beam": 2}, "tree_beam", "typical_acceptance"),
+        ({"method": "blockwise", "branches": 2}, "branches", "min_block"),
+    ]:
+        with pytest.raises(ValueError, match=f"unknown speculative option '{key}'.*{valid}"):
+            SpeculativeConfig.from_dict(cfg)
+    with pytest.raises(ValueError, match="unknown speculative option 'tree_node'"):
+        LLM(model=str(tiny_model_dir), speculative_config={"method": "eagle", "tree_node": 4})
+    # one spelling per concept: the old ones still read, with a warning, into the same field
+    with pytest.warns(DeprecationWarning, match='spell it "top_k"'):
+        assert SpeculativeConfig.from_dict({"method": "medusa", "topk": 4}).medusa.top_k == 4
+    with pytest.warns(DeprecationWarning, match='spell it "tree_top_k"'):
+        assert SpeculativeConfig.from_dict({"method": "eagle", "tree_topk": 3}).eagle_tree.tree_top_k == 3
+    cfg = SpeculativeConfig.from_dict({"method": "hybrid", "branches": 2, "top_k": 5, "min_draft_prob": 0.2})
+    assert (cfg.hybrid.branches, cfg.medusa.top_k, cfg.drafter.min_draft_prob) == (2, 5, 0.2)
+
+
+class _OracleChain(Proposer):
+    """Drafts the plain-decoding continuation (every draft accepted) or a wrong token at every position (none
+    accepted), recording the budget the engine grants each step."""
+
+    def __init__(self, futures: dict[tuple[int, ...], list[int]], vocab: int, right: bool) -> None:
+        self.futures, self.vocab, self.right = futures, vocab, right
+        self.budgets: list[int] = []
+
+    def propose(self, seqs, budgets):
+        out = []
+        for seq, k in zip(seqs, budgets):
+            self.budgets.append(k)
+            fut = self.futures[tuple(seq.prompt_token_ids)][seq.num_output_tokens:][:k]
+            out.append(Proposal(fut if self.right else [(t + 1) % self.vocab for t in fut]))
+        return out
+
+
+def test_engine_drafts_the_dynamic_draft_length(plain_tiny):
+    """The engine must draft what the dynamic-γ rule says, step by step: starting at gamma_init, one more after
+    each fully accepted verification (raise_after=1) up to gamma_max, one fewer after each rejected one down to
+    gamma_min. A fixed draft length (say 3) would draft [3, 3, 3, ...] and fail here."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = plain_tiny.generate(PROMPTS[:1], params, use_tqdm=False)
+    futures = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in base}
+    vocab = plain_tiny.engine.model_config.vocab_size
+    cfg = SpeculativeConfig(method="ngram", use_cost_model=False, gamma_init=2, gamma_min=1, gamma_max=6,
+                            raise_after=1, raise_above=0.9, lower_after=1, lower_below=0.5)
+    want = {True: [2, 3, 4, 5, 6, 6], False: [2, 1, 1, 1]}
+    for right, schedule in want.items():
+        spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": False})
+        oracle = _OracleChain(futures, vocab, right)
+        spec.engine.speculator = Speculator(spec.engine, cfg, oracle)
+        outs = spec.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+        assert oracle.budgets[: len(schedule)] == schedule, (right, oracle.budgets)
+        assert_no_leaks(spec)
 
 
 def test_auto_is_lossless_and_picks_among_methods(tiny_model_dir, plain_tiny):

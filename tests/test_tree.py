@@ -11,8 +11,9 @@ from scipy.stats import chisquare
 
 from leapdecode import LLM
 from leapdecode.engine.model_runner import ForwardItem
-from leapdecode.spec import tree as T
-from leapdecode.spec.draft_model import _Shadow
+from leapdecode.speculative import acceptance as A
+from leapdecode.speculative import tree as T
+from leapdecode.speculative.shadow_cache import Shadow
 
 # a tree with decoys: 3 children of the root, branches of different depth (parents before children)
 PARENTS = [-1, -1, -1, 0, 0, 2, 3, 3, 5, 6]
@@ -81,9 +82,9 @@ def test_verify_tree_greedy_walks_to_the_deepest_match():
     tokens = [5, 6, 7, 8, 9, 1, 2, 3, 4, 0]
     # rows: root, then nodes; root argmax 5 -> node 0; node 0 argmax 9 -> node 4; node 4 has no children
     argmax = [5, 9, 0, 0, 0, 9, 0, 0, 0, 0, 0]
-    emitted, path = T.verify_tree_greedy(argmax, tokens, PARENTS)
+    emitted, path = A.verify_tree_greedy(argmax, tokens, PARENTS)
     assert path == [0, 4] and emitted == [5, 9, 9]
-    emitted, path = T.verify_tree_greedy([4] + [0] * 10, tokens, PARENTS)
+    emitted, path = A.verify_tree_greedy([4] + [0] * 10, tokens, PARENTS)
     assert path == [] and emitted == [4]
     assert T.compaction_moves([0, 4]) == [(4, 1)]
     assert T.compaction_moves([2, 5, 8]) == [(2, 0), (5, 1), (8, 2)]
@@ -101,7 +102,7 @@ def test_tree_sampling_is_distributed_as_the_target():
     first = torch.zeros(vocab)
     second_after_1 = torch.zeros(vocab)
     for _ in range(n):
-        out, path = T.verify_tree_sampling(p, tokens, parents, g)
+        out, path = A.verify_tree_sampling(p, tokens, parents, g)
         first[out[0]] += 1
         if out[0] == 1:
             second_after_1[out[1]] += 1
@@ -116,16 +117,16 @@ def test_typical_acceptance_rule():
     flat = torch.full((8,), 1 / 8)
     peaked = torch.tensor([0.93] + [0.01] * 7)
     h_flat = float(-(flat * flat.log()).sum())
-    assert abs(T.typical_threshold(flat, 0.5, 0.3) - 0.3 * torch.exp(torch.tensor(-h_flat)).item()) < 1e-9
-    assert T.typical_threshold(peaked, 0.09, 0.3) == 0.09
+    assert abs(A.typical_threshold(flat, 0.5, 0.3) - 0.3 * torch.exp(torch.tensor(-h_flat)).item()) < 1e-9
+    assert A.typical_threshold(peaked, 0.09, 0.3) == 0.09
     # root is flat (low bar): both children pass; the deeper branch wins
     parents, tokens = [-1, -1, 1], [2, 3, 0]
     probs = torch.stack([flat, flat, peaked, peaked])
-    out, path = T.verify_tree_typical(probs, tokens, parents, torch.Generator().manual_seed(0), 0.09, 0.3)
+    out, path = A.verify_tree_typical(probs, tokens, parents, torch.Generator().manual_seed(0), 0.09, 0.3)
     assert path == [1, 2] and out[:2] == [3, 0]
     # a token below the bar is not accepted
     probs = torch.stack([peaked, flat, flat, flat])
-    out, path = T.verify_tree_typical(probs, [5, 0, 1], [-1, -1, 0], torch.Generator().manual_seed(0), 0.09, 0.3)
+    out, path = A.verify_tree_typical(probs, [5, 0, 1], [-1, -1, 0], torch.Generator().manual_seed(0), 0.09, 0.3)
     assert path == [1]
 
 
@@ -137,7 +138,7 @@ def engine(tiny_model_dir):
 
 def _logits(engine, tokens: list[int]) -> torch.Tensor:
     """Brute force: a fresh causal forward over ``tokens``; logits of every position."""
-    sh = _Shadow()
+    sh = Shadow()
     engine.block_manager.allocate(sh, len(tokens))
     try:
         return engine.runner.execute([ForwardItem(sh.block_table, 0, tokens, list(range(len(tokens))))])[0].logits
@@ -151,7 +152,7 @@ def _tree_forward(engine, prompts, trees):
     bm, runner = engine.block_manager, engine.runner
     shadows, items = [], []
     for prompt, (tokens, parents) in zip(prompts, trees):
-        sh = _Shadow()
+        sh = Shadow()
         bm.allocate(sh, len(prompt) + len(tokens))
         runner.execute([ForwardItem(sh.block_table, 0, prompt[:-1], [])])
         n = len(tokens)
@@ -193,7 +194,7 @@ def test_tree_grown_over_passes_matches_each_path_brute_force(engine):
     tokens = [g.randrange(100, 5000) for _ in parents]
     depths = T.depths_of(parents)
     bm, runner = engine.block_manager, engine.runner
-    sh = _Shadow()
+    sh = Shadow()
     bm.allocate(sh, len(prompt) + len(tokens))
     got: dict[int, torch.Tensor] = {}
     try:
@@ -255,7 +256,7 @@ def test_tree_verification_and_kv_compaction_match_brute_force(engine):
         shadows, results = _tree_forward(engine, [prompt], [(tokens, parents)])
         sh, res = shadows[0], results[0]
         try:
-            emitted, path = T.verify_tree_greedy(res.logits.argmax(-1).tolist(), tokens, parents)
+            emitted, path = A.verify_tree_greedy(res.logits.argmax(-1).tolist(), tokens, parents)
             # brute force: the deepest node whose whole path agrees with plain greedy decoding
             best = -1
             for i in range(len(tokens)):

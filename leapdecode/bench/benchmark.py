@@ -30,7 +30,7 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "draft_model": {"method": "draft_model"},
     "self_spec": {"method": "self_spec"},
     "eagle": {"method": "eagle"},
-    "eagle_tree": {"method": "eagle", "tree_nodes": 4},  # the dynamic draft tree (spec/feature_draft.py)
+    "eagle_tree": {"method": "eagle", "tree_nodes": 4},  # the dynamic draft tree (speculative/methods/eagle.py)
     "medusa": {"method": "medusa"},
     "hybrid": {"method": "hybrid"},
     "blockwise": {"method": "blockwise"},
@@ -183,13 +183,12 @@ CEILING_ROWS = (1, 2, 3, 4, 5, 9, 17, 33, 65)  # verified rows per step at which
 def target_step_costs(llm, context: int, repeats: int = 9):
     """The target's step time by verified rows at ``context`` cached tokens, measured as the engine's own cost
     model measures it (``StepCostModel``: median of ``repeats``, made non-decreasing, piecewise linear)."""
-    from leapdecode.spec.dynamic_gamma import StepCostModel
-    from leapdecode.spec.speculator import Speculator
+    from leapdecode.speculative.policy import StepCostModel, scratch_step
 
     eng, bm = llm.engine, llm.engine.block_manager
-    # only sizes whose scratch sequence fits the idle pool: _timed_step skips the others, which would time nothing
+    # only sizes whose scratch sequence fits the idle pool: scratch_step skips the others, which would time nothing
     sizes = tuple(n for n in CEILING_ROWS if bm.blocks_needed(context + n) <= bm.num_free_blocks)
-    return StepCostModel.calibrate(lambda n: Speculator._timed_step(eng.runner, bm, n, context), sizes=sizes,
+    return StepCostModel.calibrate(lambda n: scratch_step(eng.runner, bm, n, context), sizes=sizes,
                                    repeats=repeats)
 
 

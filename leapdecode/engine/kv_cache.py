@@ -11,8 +11,8 @@ says why; :mod:`leapdecode.engine.kv_calibration` runs it). Its ``layers`` entri
 :class:`~leapdecode.layers.kv_quant.QuantizedKV` planes that quantize on write and dequantize on read. Float
 caches hand attention plain tensor views.
 
-Layer tier (``kv_device_layers=N``, the technique brief's "keep the most recent layers' KV on the fast
-device"): only the last N layers live in ``pool`` on the device; the first ``L - N`` live in ``host_pool``
+Layer tier (``kv_device_layers=N``: keep the most recent layers' KV on the fast device, where memory rather than
+bandwidth binds): only the last N layers live in ``pool`` on the device; the first ``L - N`` live in ``host_pool``
 (pinned CPU memory on CUDA), and attention fetches the slots a step reads, layer by layer::
 
     host_pool[0 .. L-N-1, K|V, slot, ...]   -- read_slots(...).to(device) per step -->  attention of layers 0..L-N-1

@@ -18,6 +18,7 @@ from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs,
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.outputs import CompletionOutput, RequestOutput
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.speculative.speculator import Speculator
 
 
 class LLMEngine:
@@ -70,10 +71,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
                       "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
-        self.speculator = None
+        self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            from leapdecode.spec.speculator import Speculator
-
             self.speculator = Speculator(self, config.speculative_config)
 
     def pack_linears(self, model, linear_kernel: str | None = None, quantize_q8: bool = False) -> int:

@@ -47,10 +47,11 @@ class ModelRunner:
         self.group_size = model.config.num_attention_heads // model.config.num_key_value_heads
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
-        # Self-speculation (spec/self_spec.py) reads the residual stream after the first L layers of every full
-        # pass, so its drafter reuses the target's own hidden states for committed tokens instead of recomputing
-        # the shared layers. ``captures`` maps L -> fns called as ``fn(hidden, input_ids, positions,
-        # slot_mapping)``; several drafters (auto: self_spec at L=15 and the small draft at L=0) may listen.
+        # Self-speculation (speculative/methods/self_spec.py) reads the residual stream after the first L layers
+        # of every full pass, so its drafter reuses the target's own hidden states for committed tokens instead
+        # of recomputing the shared layers. ``captures`` maps L -> fns called as ``fn(hidden, input_ids,
+        # positions, slot_mapping)``; several drafters (auto: self_spec at L=15 and the small draft at L=0) may
+        # listen.
         self.captures: dict[int, list[CaptureFn]] = {}
         # what each capture keeps is filed by KV slot, so it must follow K/V that the engine copies between slots
         # (a tree's accepted nodes compacted into sequential slots): capture fn -> fn(src_slots, dst_slots)

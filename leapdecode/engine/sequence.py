@@ -11,6 +11,7 @@ import torch
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.outputs import RequestMetrics
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.speculative.state import DraftState
 
 _arrival = itertools.count()
 
@@ -61,11 +62,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        # speculative-decoding state, owned by leapdecode.spec
+        # speculative-decoding state, owned by leapdecode.speculative
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
-        self.spec_budget = 0  # draft tokens the scheduler reserved room for this step
-        self.spec_state: dict = {}
+        self.draft_state = DraftState()
 
     # ------------------------------------------------------------------------------------------------ views
     @property
@@ -87,11 +87,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """More than the last token still needs computing (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from leapdecode.bench.prompts import shared_data_dir
+from leapdecode.llm import LLM
+from leapdecode.sampling_params import SamplingParams
 
 
 def load_training_prompts(path: Path, limit: int | None, max_chars: int) -> list[dict]:
@@ -36,8 +38,6 @@ def load_training_prompts(path: Path, limit: int | None, max_chars: int) -> list
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from leapdecode import LLM, SamplingParams
-
     prompts_path = Path(args.prompts) if args.prompts else shared_data_dir() / "prompts" / "train_prompts.jsonl"
     recs = load_training_prompts(prompts_path, args.limit, args.max_prompt_chars)
     if not recs:
@@ -91,25 +91,4 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(tsub) -> None:
-    p = tsub.add_parser(
-        "distill-data",
-        help="generate self-distillation data: the target's own answers to the training prompts",
-        description="Runs the target over training prompts (default ../shared/data/prompts/train_prompts.jsonl) "
-        "with continuous batching and stores prompt/answer token ids plus a manifest. Resumable: rerunning "
-        "with the same --out skips prompts already answered.",
-    )
-    p.add_argument("--prompts", default=None, help="jsonl with 'prompt' (or 'turns') records")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-chars", type=int, default=4000, help="skip longer prompts")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--sampled", action="store_true", help="also store one sampled answer per prompt")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(train_func=cmd_distill)
+__all__ = ["cmd_distill", "load_training_prompts"]

@@ -1,4 +1,4 @@
-"""``leapdecode train medusa``: train Medusa heads on the target's own answers (technique brief §2.2 and §5).
+"""``leapdecode train medusa``: train Medusa heads on the target's own answers (self-distillation).
 
 Pipeline (each stage resumable):
 
@@ -29,7 +29,8 @@ Pipeline (each stage resumable):
    never straddle it): per-head top-1/top-k accuracy, per-offset merged candidate accuracy, and the rank paths of
    the true continuations, from which the shipped tree is built (tree.py).
 5. **Export** to ``--out``: heads (fp16), config.json (layout, tree, metrics, fingerprint of the LM head they were
-   trained on) and recipe.json (exact command, data manifest, seed, timings).
+   trained on) and record.json (exact command, data manifest, seed, timings), the one artefact format
+   (speculative/artifacts.py).
 
 ``leapdecode train medusa-tree`` re-derives the tree from the development prompts (plain greedy decoding, then the
 heads' ranks of what followed) and picks the default tree size with this machine's measured step cost.
@@ -38,35 +39,42 @@ heads' ranks of what followed) and picks the default tree size with this machine
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import shlex
 import sys
 import time
 import zlib
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from tqdm.auto import tqdm
 
-from leapdecode.spec import tree as T
-from leapdecode.spec.medusa import (
-    DEFAULT_TOPK,
-    MedusaHeads,
-    lm_head_fingerprint,
-    masked_argmax_chain,
-    parse_layout,
-    ranked_candidates,
-    save_heads,
+from leapdecode.llm import LLM
+from leapdecode.models.loader import model_display_name
+from leapdecode.speculative import tree as T
+from leapdecode.speculative.artifacts import lm_head_fingerprint, save_heads
+from leapdecode.speculative.heads import MedusaHeads, masked_argmax_chain, parse_layout, ranked_candidates
+from leapdecode.speculative.methods.medusa import DEFAULT_TOP_K
+from leapdecode.train.data import (
+    CachedArray,
+    HiddenCache,
+    TargetPasses,
+    batches_by_tokens,
+    file_sha256,
+    fill_caches,
+    read_manifest,
+    read_samples,
 )
+from leapdecode.train.loop import has_checkpoint, load_checkpoint, save_checkpoint, warmup_cosine_lr
+from leapdecode.train.medusa_loss import TrainableHeads, head_losses, weighted_loss
+from leapdecode.train.medusa_schedules import CurriculumSampler, CurriculumSchedule, ProgressiveSchedule
+from leapdecode.train.medusa_tree import default_tree_nodes
 
 DEFAULT_WEIGHTS = (1.0, 0.8, 0.6, 0.4)
 DEFAULT_TEMPERATURES = (1.0, 1.2, 1.4, 1.6)
@@ -75,7 +83,7 @@ DEFAULT_TEMPERATURES = (1.0, 1.2, 1.4, 1.6)
 # ------------------------------------------------------------------------------------------------- config
 @dataclass
 class MedusaTrainConfig:
-    """Every knob of a run; stored in checkpoints and in the artefact's recipe."""
+    """Every knob of a run; stored in checkpoints and in the artefact's record."""
 
     data: str
     out: str
@@ -110,7 +118,7 @@ class MedusaTrainConfig:
     val_frac: float = 0.05
     val_max_tokens: int = 8192
     report_topk: int = 5
-    tree_topk: int = DEFAULT_TOPK
+    tree_topk: int = DEFAULT_TOP_K
     tree_max_nodes: int = 64
     save_every: int = 200
     cache_batch_tokens: int = 2048
@@ -154,229 +162,41 @@ def per_offset(values: Seq[float], max_offset: int, extend: str) -> list[float]:
     return vals
 
 
-# --------------------------------------------------------------------------------------------- schedules
-@dataclass
-class ProgressiveSchedule:
-    """Which offsets train: offset 1 alone first, then one more each time the newest is stable.
-
-    ``update(step, loss)`` is fed the newest offset's loss after every optimiser step. The loss is averaged over
-    consecutive windows of ``window`` steps; once the stage has run ``min_steps``, a window that improves on the
-    previous one by less than ``tol`` (relative) means stable. A stage never lasts more than ``max_steps``."""
-
-    max_offset: int
-    enabled: bool = True
-    min_steps: int = 20
-    max_steps: int = 200
-    tol: float = 0.01
-    window: int = 20
-    offset: int = 1
-    stage_start: int = 0
-    transitions: list[int] = field(default_factory=list)
-    _win: list[float] = field(default_factory=list)
-    _prev: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.enabled:
-            self.offset = self.max_offset
-
-    def active_offsets(self) -> list[int]:
-        return list(range(1, self.offset + 1))
-
-    def update(self, step: int, newest_loss: float) -> bool:
-        """Returns True when an offset was added after ``step`` (0-based index of the step just taken)."""
-        if self.offset >= self.max_offset:
-            return False
-        ran = step + 1 - self.stage_start
-        self._win.append(float(newest_loss))
-        stable = False
-        if len(self._win) >= self.window:
-            mean = sum(self._win) / len(self._win)
-            if self._prev is not None and ran >= self.min_steps:
-                stable = (self._prev - mean) / max(abs(self._prev), 1e-8) < self.tol
-            self._prev, self._win = mean, []
-        if stable or ran >= self.max_steps:
-            self.offset += 1
-            self.stage_start = step + 1
-            self.transitions.append(step + 1)
-            self._win, self._prev = [], None
-            return True
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        for k, v in d.items():
-            setattr(self, k, v)
-
-
-@dataclass
-class CurriculumSchedule:
-    """Longest context (tokens before the predicted position) a batch may draw from at training progress
-    ``p`` in [0, 1]: ``start_len`` growing linearly to ``end_len`` over the first ``ramp_frac`` of the run."""
-
-    end_len: int
-    enabled: bool = True
-    start_len: int = 64
-    ramp_frac: float = 0.5
-
-    def max_len(self, progress: float) -> int:
-        if not self.enabled or self.ramp_frac <= 0 or progress >= self.ramp_frac:
-            return self.end_len
-        start = min(self.start_len, self.end_len)
-        return int(start + (self.end_len - start) * progress / self.ramp_frac)
-
-
-class CurriculumSampler:
-    """Uniform batches over the eligible rows (context length <= the curriculum's limit), seeded and
-    resumable (the generator state is checkpointed). If fewer rows than a batch are eligible, the shortest
-    ``batch`` rows are."""
-
-    def __init__(self, positions: np.ndarray, batch: int, generator: torch.Generator) -> None:
-        self.order = np.argsort(positions, kind="stable")
-        self.sorted_pos = positions[self.order]
-        self.batch = batch
-        self.gen = generator
-
-    def eligible(self, max_len: int) -> int:
-        n = int(np.searchsorted(self.sorted_pos, max_len, side="right"))
-        return max(n, min(self.batch, len(self.order)))
-
-    def sample(self, max_len: int) -> np.ndarray:
-        n = self.eligible(max_len)
-        pick = torch.randint(n, (self.batch,), generator=self.gen).numpy()
-        return self.order[pick]
-
-
 # ------------------------------------------------------------------------------------------ hidden cache
-def read_samples(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    recs = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                if r.get("output_token_ids"):
-                    recs.append(r)
-                if limit and len(recs) >= limit:
-                    break
-    return recs
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-@torch.inference_mode()
-def hidden_rows(engine, samples: Seq[dict[str, Any]]) -> list[torch.Tensor]:
-    """Final-norm hidden states at each answer position (the position whose logits predict answer token t),
-    one batched prefill for all ``samples``: [len(answer), d] per sample."""
-    from leapdecode.engine.model_runner import ForwardItem
-    from leapdecode.spec.draft_model import _Shadow
-
-    bm, runner = engine.block_manager, engine.runner
-    items, shadows, spans = [], [], []
-    try:
-        for s in samples:
-            p, o = list(s["prompt_token_ids"]), list(s["output_token_ids"])
-            toks = p + o[:-1]  # the last answer token's own hidden state predicts nothing we train on
-            keep = engine.max_model_len - 1
-            if len(toks) > keep:  # rare over-long prompt: keep its tail (the answer positions must survive)
-                cut = len(toks) - keep
-                toks, p = toks[cut:], p[cut:]
-            sh = _Shadow()
-            if not bm.can_allocate(sh, len(toks)):
-                raise RuntimeError("hidden cache batch does not fit the KV pool; lower --cache-batch-tokens")
-            bm.allocate(sh, len(toks))
-            shadows.append(sh)
-            items.append(ForwardItem(sh.block_table, 0, toks, []))
-            spans.append((len(p) - 1, len(p) - 1 + len(o)))
-        input_ids, pos, meta, _ = runner.prepare(items)
-        hidden = engine.model(input_ids, pos, engine.kv_cache.layers, meta)
-    finally:
-        for sh in shadows:
-            bm.free(sh)
-    out, q = [], 0
-    for it, (a, b) in zip(items, spans):
-        out.append(hidden[q + a : q + b].float().cpu())
-        q += len(it.tokens)
-    return out
-
-
-def batches_by_tokens(lengths: Seq[int], budget: int, max_seqs: int = 64) -> list[list[int]]:
-    """Consecutive index groups of at most ``budget`` tokens (a longer sample goes alone)."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and (used + n > budget or len(cur) >= max_seqs):
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-def build_hidden_cache(cfg: MedusaTrainConfig, llm, samples_path: Path, log=print) -> Path:
-    """Write (or finish) the cache folder: hidden.npy [N, d] fp16, tokens.npy / positions.npy int32 [N],
-    starts.npy int64 [S + 1], ids.json, meta.json. Resumable batch by batch; rebuilt if the data changed."""
-    cache = cfg.cache
+def build_hidden_cache(cfg: MedusaTrainConfig, llm: LLM, samples_path: Path, log=print) -> Path:
+    """Write (or finish) the cache folder (data.HiddenCache): hidden.npy [N, d] fp16, the final-norm features at
+    every answer position, and beside it tokens.npy / positions.npy int32 [N], starts.npy int64 [S + 1], ids.json.
+    Resumable batch by batch; rebuilt if the data changed."""
     samples = read_samples(samples_path, cfg.limit_samples)
     if not samples:
         raise ValueError(f"{samples_path} has no samples with answers")
-    key = {"samples": file_digest(samples_path), "limit": cfg.limit_samples, "model": str(llm.engine.model_path),
-           "dtype": cfg.dtype, "precision": cfg.cache_precision}
-    meta_path = cache / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if meta is not None and meta.get("key") == key and meta.get("complete"):
-        return cache
+    key = {"samples": file_sha256(samples_path)[:16], "limit": cfg.limit_samples,
+           "model": str(llm.engine.model_path), "dtype": cfg.dtype, "precision": cfg.cache_precision}
     lengths = [len(s["output_token_ids"]) for s in samples]
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    n, d = int(starts[-1]), llm.engine.model_config.hidden_size
-    fresh = meta is None or meta.get("key") != key
-    cache.mkdir(parents=True, exist_ok=True)
-    if fresh:
-        meta = {"key": key, "done": 0, "complete": False, "num_rows": n, "hidden_size": d,
-                "num_samples": len(samples), "seconds": 0.0}
-        tokens = np.concatenate([np.asarray(s["output_token_ids"], dtype=np.int32) for s in samples])
-        positions = np.concatenate([np.arange(len(s["prompt_token_ids"]) - 1,
-                                              len(s["prompt_token_ids"]) - 1 + len(s["output_token_ids"]))
-                                    for s in samples]).astype(np.int32)
-        np.save(cache / "tokens.npy", tokens)
-        np.save(cache / "positions.npy", positions)
-        np.save(cache / "starts.npy", starts)
-        (cache / "ids.json").write_text(json.dumps([str(s.get("id", i)) for i, s in enumerate(samples)]))
-        hid = np.lib.format.open_memmap(cache / "hidden.npy", mode="w+", dtype=np.float16, shape=(n, d))
-    else:
-        hid = np.lib.format.open_memmap(cache / "hidden.npy", mode="r+")
-    done = int(meta["done"])
-    seq_lens = [len(s["prompt_token_ids"]) + len(s["output_token_ids"]) - 1 for s in samples]
-    groups = [g for g in batches_by_tokens(seq_lens, cfg.cache_batch_tokens) if g[-1] >= done]
-    t0 = time.time()
-    bar = tqdm(total=n, initial=int(starts[done]), desc="hidden cache", unit="tok")
-    for g in groups:
-        g = [i for i in g if i >= done]
+    d = llm.engine.model_config.hidden_size
+    cache = HiddenCache(cfg.cache, key, {"hidden": CachedArray(lengths, d, "float16")})
+    if cache.complete:
+        return cfg.cache
+    if cache.fresh:
+        cfg.cache.mkdir(parents=True, exist_ok=True)
+        np.save(cfg.cache / "tokens.npy", np.concatenate([np.asarray(s["output_token_ids"], dtype=np.int32)
+                                                          for s in samples]))
+        np.save(cfg.cache / "positions.npy", np.concatenate([
+            np.arange(len(s["prompt_token_ids"]) - 1, len(s["prompt_token_ids"]) - 1 + len(s["output_token_ids"]))
+            for s in samples]).astype(np.int32))
+        np.save(cfg.cache / "starts.npy", cache.starts["hidden"])
+        (cfg.cache / "ids.json").write_text(json.dumps([str(s.get("id", i)) for i, s in enumerate(samples)]))
+    passes = TargetPasses.of_engine(llm.engine)
+
+    def compute(seqs: list[int]) -> dict[str, list[torch.Tensor]]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.cache_precision == "bf16"):
-            rows = hidden_rows(llm.engine, [samples[i] for i in g])
-        for i, h in zip(g, rows):
-            hid[starts[i] : starts[i + 1]] = h.numpy().astype(np.float16)
-        hid.flush()
-        done = g[-1] + 1
-        meta["done"] = done
-        meta["seconds"] = round(meta["seconds"] + time.time() - t0, 1)
-        t0 = time.time()
-        meta_path.write_text(json.dumps(meta))
-        bar.update(int(starts[done] - starts[g[0]]))
-    bar.close()
-    meta["complete"] = True
-    meta_path.write_text(json.dumps(meta))
-    log(f"hidden cache: {n} answer positions from {len(samples)} samples in {meta['seconds']:.0f} s -> {cache}")
-    return cache
+            return {"hidden": passes.answer_features([samples[i] for i in seqs], llm.engine.max_model_len)}
+
+    seq_lens = [len(s["prompt_token_ids"]) + len(s["output_token_ids"]) - 1 for s in samples]
+    fill_caches([cache], batches_by_tokens(seq_lens, cfg.cache_batch_tokens), compute, "hidden cache")
+    log(f"hidden cache: {sum(lengths)} answer positions from {len(samples)} samples in {cache.meta['seconds']:.0f} s "
+        f"-> {cfg.cache}")
+    return cfg.cache
 
 
 @dataclass
@@ -422,113 +242,11 @@ def choose_subset(tokens: np.ndarray, size: int, vocab: int) -> torch.Tensor | N
     return torch.from_numpy(np.sort(order)).long()
 
 
-# ------------------------------------------------------------------------------------------------ losses
-class TrainableHeads(nn.Module):
-    """Per-head parameters (so each head has its own optimiser state and starts it when it becomes active)
-    that export to / import from the stacked :class:`MedusaHeads`."""
-
-    def __init__(self, heads: MedusaHeads) -> None:
-        super().__init__()
-        self.offsets = heads.offsets
-        self.groups = heads.groups
-        self.diversity = heads.diversity
-        self.hidden_size = heads.hidden_size
-        self.w = nn.ParameterList([nn.Parameter(heads.weight[i].detach().clone()) for i in range(heads.num_heads)])
-        self.b = nn.ParameterList([nn.Parameter(heads.bias[i].detach().clone()) for i in range(heads.num_heads)])
-
-    def forward(self, h: torch.Tensor, heads: Seq[int]) -> torch.Tensor:
-        """[N, d] -> [N, len(heads), d] for the listed heads."""
-        w = torch.stack([self.w[i] for i in heads])
-        b = torch.stack([self.b[i] for i in heads])
-        a, d = len(heads), self.hidden_size
-        z = F.linear(h, w.reshape(a * d, d), b.reshape(a * d)).view(h.shape[0], a, d)
-        return h.unsqueeze(1) + F.silu(z)
-
-    def export(self) -> MedusaHeads:
-        out = MedusaHeads(self.hidden_size, self.offsets, self.diversity)
-        with torch.no_grad():
-            out.weight.copy_(torch.stack([p.detach() for p in self.w]))
-            out.bias.copy_(torch.stack([p.detach() for p in self.b]))
-        return out
-
-
-def _head_loss(
-    z: torch.Tensor,
-    lm_w: torch.Tensor,
-    target: torch.Tensor,
-    chosen: torch.Tensor | None,
-    tau: float,
-    teacher: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One head's loss (mean over its valid rows), its (masked) argmax, and the number of valid rows.
-
-    ``target`` [B] subset ids (-1 = no target); ``chosen`` [B, j] earlier heads' picks on this offset, masked
-    out of this head's softmax (rows whose target is one of them do not train it); ``teacher`` [B, V'] teacher
-    logits for soft targets (None: hard)."""
-    logits = F.linear(z, lm_w).float()
-    if chosen is not None and chosen.shape[1]:
-        logits = logits.scatter(1, chosen, float("-inf"))
-        target = torch.where((target.unsqueeze(1) == chosen).any(dim=1), -1, target)
-    valid = target >= 0
-    nvalid = valid.sum()
-    if teacher is None:
-        loss = F.cross_entropy(logits / tau, target, ignore_index=-1, reduction="sum")
-    else:
-        tl = teacher.float() / tau
-        if chosen is not None and chosen.shape[1]:
-            tl = tl.scatter(1, chosen, float("-inf"))
-        pt = tl.softmax(dim=-1)
-        logp = (logits / tau).log_softmax(dim=-1)
-        kl = (pt * (pt.clamp_min(1e-30).log() - logp.clamp_min(-1e30))).sum(dim=-1)
-        loss = (tau * tau) * torch.where(valid, kl, 0.0).sum()
-    return loss / nvalid.clamp_min(1), logits.detach().argmax(dim=-1), nvalid
-
-
-def head_losses(
-    heads: TrainableHeads,
-    lm_w: torch.Tensor,
-    h: torch.Tensor,
-    targets: torch.Tensor,
-    active_offsets: Seq[int],
-    temperatures: Seq[float],
-    teacher: dict[int, torch.Tensor] | None = None,
-    grad_checkpoint: bool = False,
-) -> dict[int, torch.Tensor]:
-    """Loss per active head (index -> scalar). ``targets`` [B, D] subset ids (-1 = none); ``teacher[k]``
-    [B, V'] teacher logits for offset k (soft targets)."""
-    from torch.utils.checkpoint import checkpoint
-
-    active = [i for k in active_offsets for i in heads.groups[k]]
-    z = heads(h, active)
-    col = {hd: j for j, hd in enumerate(active)}
-    out: dict[int, torch.Tensor] = {}
-    for k in active_offsets:
-        picks: list[torch.Tensor] = []
-        for hd in heads.groups[k]:
-            chosen = torch.stack(picks, dim=1) if (picks and heads.diversity == "exclude") else None
-            args = (z[:, col[hd]], lm_w, targets[:, k - 1], chosen, temperatures[k - 1],
-                    None if teacher is None else teacher[k])
-            if grad_checkpoint:
-                loss, pick, _ = checkpoint(_head_loss, *args, use_reentrant=False)
-            else:
-                loss, pick, _ = _head_loss(*args)
-            out[hd] = loss
-            picks.append(pick)
-    return out
-
-
-def weighted_loss(losses: dict[int, torch.Tensor], head_offsets: Seq[int], weights: Seq[float]) -> torch.Tensor:
-    """``sum_i w[offset(i)] * CE_i`` over the heads that trained this step (weights indexed by offset - 1)."""
-    return sum((weights[head_offsets[i] - 1] * loss for i, loss in losses.items()), torch.zeros(()))
-
-
 # ---------------------------------------------------------------------------------------------- trainer
 class MedusaTrainer:
     """Owns the data, the heads, the optimiser and the schedules of one run (see the module docstring)."""
 
     def __init__(self, cfg: MedusaTrainConfig, llm=None, log=print) -> None:
-        from leapdecode import LLM
-
         self.cfg, self.log = cfg, log
         torch.manual_seed(cfg.seed)
         samples_path = Path(cfg.data) / "samples.jsonl"
@@ -583,8 +301,8 @@ class MedusaTrainer:
                                              cfg.curriculum_frac)
         self.sampler = CurriculumSampler(pos, cfg.batch_size, self.gen)
         self.progressive = self._new_progressive()
-        self.ckpt_path = cfg.work / "checkpoint.pt"
-        if self.ckpt_path.is_file() and not cfg.restart:
+        self.ckpt_path = cfg.work / "checkpoint"
+        if has_checkpoint(self.ckpt_path) and not cfg.restart:
             self.load_checkpoint()
         elif cfg.time_budget_min:
             self.fit_time_budget()
@@ -616,11 +334,8 @@ class MedusaTrainer:
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 
     def lr_at(self, step: int) -> float:
-        warm = max(1, int(self.cfg.warmup_frac * self.total_steps))
-        if step < warm:
-            return self.cfg.lr * (step + 1) / warm
-        p = (step - warm) / max(1, self.total_steps - warm)
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+        return warmup_cosine_lr(step, self.total_steps, max(1, int(self.cfg.warmup_frac * self.total_steps)),
+                                self.cfg.lr)
 
     def train_step(self, rows: np.ndarray, offsets: Seq[int]) -> dict[int, float]:
         """One optimiser step on ``rows`` for the heads of ``offsets``; returns the per-head losses."""
@@ -748,12 +463,10 @@ class MedusaTrainer:
             "progressive": self.progressive.state_dict(), "history": self.history, "val_history": self.val_history,
             "subset": self.subset, "train_seconds": self.train_seconds,
         }
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.ckpt_path)
+        save_checkpoint(self.ckpt_path, state)
 
     def load_checkpoint(self) -> None:
-        st = torch.load(self.ckpt_path, weights_only=False)
+        st = load_checkpoint(self.ckpt_path, "--restart")
         old = st["config"]
         for k in ("layout", "diversity", "vocab_subset", "targets", "batch_size"):
             if old.get(k) != getattr(self.cfg, k):
@@ -821,15 +534,12 @@ class MedusaTrainer:
         return self.val_history[-1]
 
     def export(self, out: str | Path, command: str) -> Path:
-        """Write the artefact folder (heads, config with tree and metrics, recipe)."""
-        from leapdecode.models.loader import model_display_name
-
+        """Write the artefact folder (heads, config with tree and metrics, record)."""
         v = self.val_history[-1]
         eng = self.llm.engine
         tree = dict(v["tree"])
         tree["default_nodes"] = default_tree_nodes(eng, tree["curve"])
-        manifest_path = Path(self.cfg.data) / "manifest.json"
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+        manifest = read_manifest(self.samples_path)
         meta = {
             "vocab_size": self.vocab,
             "vocab_subset_size": 0 if self.subset is None else len(self.subset),
@@ -842,85 +552,21 @@ class MedusaTrainer:
                       "train_positions": int(len(self.data.train_rows)), "transitions": self.progressive.transitions,
                       "loss_weights": self.weights, "temperatures": self.temps},
         }
-        recipe = {
+        record = {
             "command": command,
             "config": asdict(self.cfg),
             "seed": self.cfg.seed,
-            "data": {"samples": str(self.samples_path), "sha256_16": file_digest(self.samples_path),
+            "data": {"samples": str(self.samples_path), "sha256_16": file_sha256(self.samples_path)[:16],
                      "manifest": manifest},
             "seconds": {"hidden_cache": self.cache_seconds, "training": round(self.train_seconds, 1)},
             "torch": torch.__version__,
         }
-        save_heads(out, self.heads.export(), self.subset, meta, recipe)
+        save_heads(out, self.heads.export(), self.subset, meta, record)
         return Path(out)
 
 
-def default_tree_nodes(engine, curve: Seq[float]) -> int:
-    """Tree size maximising expected tokens per second at batch 1 on *this* machine (measured step cost);
-    stored as the artefact's default for engines that run without the cost model."""
-    from leapdecode.spec.dynamic_gamma import StepCostModel
-    from leapdecode.spec.speculator import Speculator
-
-    cost = StepCostModel.calibrate(lambda n: Speculator._timed_step(engine.runner, engine.block_manager, n),
-                                   sizes=(1, 2, 3, 5, 9, 17, 33), repeats=3)
-    best, best_rate = 0, 1.0 / max(cost(1), 1e-9)
-    for n in range(1, len(curve)):
-        rate = curve[n] / cost(1 + n)
-        if rate > best_rate * 1.02:
-            best, best_rate = n, rate
-    return best
-
-
-# -------------------------------------------------------------------------------------------- tree tuning
-def tune_tree(heads_dir: Path, llm, prompts: list[str], max_tokens: int, max_nodes: int, log=print) -> dict:
-    """Rebuild the artefact's tree from the development prompts: plain greedy answers, the heads' merged
-    candidates at every answer position, the rank paths of what actually followed; default size from this
-    machine's step cost."""
-    from leapdecode import SamplingParams
-    from leapdecode.spec.medusa import load_heads
-
-    heads, subset, meta = load_heads(heads_dir)
-    eng = llm.engine
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
-                    SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    samples = [{"prompt_token_ids": o.prompt_token_ids, "output_token_ids": o.outputs[0].token_ids}
-               for o in outs if o.outputs[0].token_ids]
-    w = eng.model.lm_head.get_weight().float()
-    lm_w = w if subset is None else w.index_select(0, subset)
-    topk = int(meta.get("tree", {}).get("topk", DEFAULT_TOPK))
-    ranks_all = []
-    d = heads.max_offset
-    for s in samples:
-        hs = hidden_rows(eng, [s])[0]
-        toks = torch.tensor(s["output_token_ids"])
-        with torch.no_grad():
-            cand = ranked_candidates(F.linear(heads(hs), lm_w), heads, topk)
-        if subset is not None:
-            cand = subset[cand]
-        n = len(toks)
-        tg = torch.full((n, d), -1, dtype=torch.long)
-        for k in range(1, d + 1):
-            tg[: max(0, n - k), k - 1] = toks[k:]
-        match = (cand == tg.unsqueeze(2)) & (tg >= 0).unsqueeze(2)
-        ranks_all.append(torch.where(match.any(dim=2), match.float().argmax(dim=2), -1))
-    ranks = torch.cat(ranks_all)
-    counts = T.rank_path_counts(ranks)
-    paths = T.top_paths(counts, max_nodes)
-    curve = T.expected_tokens_curve(paths, counts, len(ranks))
-    tree = {"paths": [list(p) for p in paths], "counts": [counts[p] for p in paths], "num_steps": int(len(ranks)),
-            "curve": [round(c, 4) for c in curve], "topk": topk, "source": f"{len(samples)} development prompts"}
-    tree["default_nodes"] = default_tree_nodes(eng, curve)
-    cfg = json.loads((heads_dir / "config.json").read_text())
-    cfg.setdefault("tree_validation", cfg.get("tree"))
-    cfg["tree"] = tree
-    (heads_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    log(f"tree from {len(ranks)} development positions: default {tree['default_nodes']} nodes; expected "
-        "tokens/step " + ", ".join(f"{n}: {curve[n]:.2f}" for n in (1, 4, 8, 16, 32) if n < len(curve)))
-    return tree
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-def _floats(s: str) -> tuple[float, ...]:
+def parse_floats(s: str) -> tuple[float, ...]:
+    """``"1,0.8,0.6"`` -> (1.0, 0.8, 0.6): per-offset values on the command line."""
     return tuple(float(x) for x in s.split(",") if x.strip())
 
 
@@ -938,82 +584,5 @@ def cmd_medusa(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_medusa_tree(args: argparse.Namespace) -> int:
-    from leapdecode import LLM
-    from leapdecode.bench.prompts import load_prompt_set
-    from leapdecode.spec.medusa import DEFAULT_HEADS_DIR
-
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_blocks=1024)
-    prompts = load_prompt_set(args.prompts, args.num_prompts)
-    tune_tree(Path(args.heads) if args.heads else DEFAULT_HEADS_DIR, llm, prompts, args.max_tokens, args.max_nodes)
-    return 0
-
-
-def add_cli(tsub) -> None:
-    d = MedusaTrainConfig(data="", out="")
-    p = tsub.add_parser(
-        "medusa",
-        help="train Medusa heads on self-distillation data (cached hidden states, progressive, curriculum)",
-        description=__doc__.split("\n\n")[0] + " Resumable: rerun the same command to continue from "
-        "WORK/checkpoint.pt (the hidden cache is resumable too); --restart starts over.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--data", required=True, help="distill-data folder (samples.jsonl, manifest.json)")
-    p.add_argument("--out", required=True, help="artefact folder to write (e.g. leapdecode/artifacts/medusa)")
-    p.add_argument("--work-dir", default=None, help="checkpoints (default DATA/medusa_work)")
-    p.add_argument("--cache-dir", default=None, help="hidden-state cache (default DATA/hidden_cache)")
-    p.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--layout", default=d.layout, help="pyramid (1,2,2,3,3,3,4,4,4,4), one-per-offset, or offsets")
-    p.add_argument("--diversity", default=d.diversity, choices=["exclude", "ensemble"])
-    p.add_argument("--targets", default=d.targets, choices=["hard", "soft"])
-    p.add_argument("--loss-weights", type=_floats, default=d.loss_weights, help="by offset, e.g. 1,0.8,0.6,0.4")
-    p.add_argument("--temperatures", type=_floats, default=d.temperatures, help="by offset, e.g. 1,1.2,1.4,1.6")
-    p.add_argument("--vocab-subset", type=int, default=d.vocab_subset, help="most frequent tokens (0 = full)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="answer positions per step")
-    p.add_argument("--epochs", type=float, default=d.epochs)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--time-budget-min", type=float, default=None, help="cap training steps to fit N minutes")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
-    p.add_argument("--init-std", type=float, default=d.init_std)
-    p.add_argument("--no-progressive", dest="progressive", action="store_false", default=True)
-    p.add_argument("--stage-min-frac", type=float, default=d.stage_min_frac)
-    p.add_argument("--stage-max-frac", type=float, default=d.stage_max_frac)
-    p.add_argument("--stable-tol", type=float, default=d.stable_tol)
-    p.add_argument("--stable-window", type=int, default=d.stable_window)
-    p.add_argument("--no-curriculum", dest="curriculum", action="store_false", default=True)
-    p.add_argument("--curriculum-start", type=int, default=d.curriculum_start)
-    p.add_argument("--curriculum-frac", type=float, default=d.curriculum_frac)
-    p.add_argument("--grad-checkpoint", action="store_true")
-    p.add_argument("--precision", default=d.precision, choices=["bf16", "fp32"])
-    p.add_argument("--val-frac", type=float, default=d.val_frac)
-    p.add_argument("--val-max-tokens", type=int, default=d.val_max_tokens)
-    p.add_argument("--report-topk", type=int, default=d.report_topk)
-    p.add_argument("--tree-topk", type=int, default=d.tree_topk)
-    p.add_argument("--tree-max-nodes", type=int, default=d.tree_max_nodes)
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--cache-batch-tokens", type=int, default=d.cache_batch_tokens)
-    p.add_argument("--cache-precision", default=d.cache_precision, choices=["bf16", "fp32"],
-                   help="bf16 autocast for the one-off hidden-state pass (faster; inference stays float32)")
-    p.add_argument("--limit-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
-    p.set_defaults(train_func=cmd_medusa)
-
-    t = tsub.add_parser(
-        "medusa-tree",
-        help="re-derive the Medusa candidate tree from development prompts and this machine's step cost",
-        description="Plain greedy answers to the prompts, the heads' candidate ranks of what followed, and the "
-        "most frequent rank paths become the tree in HEADS/config.json (the validation tree is kept as "
-        "tree_validation).",
-    )
-    t.add_argument("--heads", default=None, help="artefact folder (default: the shipped heads)")
-    t.add_argument("--model", default=None)
-    t.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    t.add_argument("--prompts", default="mt_bench")
-    t.add_argument("--num-prompts", type=int, default=16)
-    t.add_argument("--max-tokens", type=int, default=128)
-    t.add_argument("--max-nodes", type=int, default=64)
-    t.set_defaults(train_func=cmd_medusa_tree)
+__all__ = ["MedusaTrainConfig", "MedusaTrainer", "TokenData", "choose_subset", "cmd_medusa", "parse_floats",
+           "per_offset"]

@@ -3,12 +3,55 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.dynamic_gamma import PRIOR_ACCEPTANCE
+from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.speculative.state import PRIOR_ACCEPTANCE
+
+
+class PackLinears(Protocol):
+    """The engine's ``pack_linears``: give a module the engine's few-row linear kernel; returns layers packed."""
+
+    def __call__(self, model: torch.nn.Module, linear_kernel: str | None = None, quantize_q8: bool = False) -> int: ...
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What a drafter may see of the engine: the target, its cache and runner, and a few settings. Proposers get
+    this instead of the engine itself, so what they depend on is named here (and nothing can reach the
+    scheduler's or the server's state by accident)."""
+
+    model: LlamaForCausalLM
+    model_path: Path | None
+    tokenizer: Any  # a transformers tokenizer, or None for a model given without one
+    runner: ModelRunner
+    kv_cache: KVCache
+    block_manager: BlockManager
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    generator: torch.Generator  # the engine's stream, for unseeded requests
+    num_packed_linears: int  # target layers on the few-row kernel (0: torch ops)
+    pack_linears: PackLinears
+    running: Callable[[], list[Sequence]]  # the sequences the scheduler runs now
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineView:
+        """The view of an ``LLMEngine`` (typed ``Any`` here: the engine imports this package, not the reverse)."""
+        return cls(engine.model, engine.model_path, engine.tokenizer, engine.runner, engine.kv_cache,
+                   engine.block_manager, engine.config.block_size, engine.config.torch_dtype, engine.device,
+                   engine.max_model_len, engine.generator, engine.num_packed_linears, engine.pack_linears,
+                   lambda: list(engine.scheduler.running))
 
 
 @dataclass
@@ -25,6 +68,16 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
+
+
+class StepCost(Protocol):
+    """The engine's step-cost model (policy.StepCostModel) as drafters use it."""
+
+    def __call__(self, n: int) -> float: ...
+
+    def best_gamma(self, alpha: float, max_gamma: int, batch_tokens: int, batch_size: int,
+                   draft_cost: Callable[[int], float] = ..., rows: Callable[[int], int] = ...,
+                   expected: Callable[[float, int], float] = ...) -> int: ...
 
 
 class Proposer(ABC):
@@ -67,6 +120,15 @@ class Proposer(ABC):
         """Seconds the drafter spends to propose ``num_tokens`` per sequence (0 for lookup methods)."""
         return 0.0
 
+    def detach(self) -> None:  # noqa: B027
+        """The speculator stopped using this drafter (``auto`` found it cannot pay here): stop whatever it does on
+        the engine's passes. Default: nothing."""
+
+    def tree_acceptance(self) -> tuple[float, float] | None:
+        """A tree drafter's lossy opt-in: ``(eps, delta)`` of typical acceptance for sampled requests (acceptance.
+        verify_tree_typical). Default ``None``: lossless tree verification."""
+        return None
+
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:  # noqa: B027
         """Called after each step that emitted tokens for ``seq`` (and is not finished) with the target's final
         hidden state at the position whose logits produced the last emitted token. Default: ignored; drafters
@@ -80,9 +142,12 @@ class Proposer(ABC):
         accepted). Default ``None``: the engine's lossless verification (greedy match / rejection sampling)."""
         return None
 
-    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float] | None:
+    def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:
         """Tree drafters size their own proposals (a tree's acceptance is not the chain model's per-token rate):
         return ``(nodes, expected tokens per step)`` for ``seq`` this step, at most ``room`` nodes, given the
         engine's step-cost model ``cost`` (may be None) and the number of running sequences. ``None`` (chain
         drafters) means "use dynamic gamma"."""
         return None
+
+
+__all__ = ["EngineView", "Proposal", "Proposer", "StepCost"]

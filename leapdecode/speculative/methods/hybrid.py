@@ -1,7 +1,7 @@
 """Hybrid drafting: a draft chain is the trunk of a candidate tree, Medusa heads add branches beside it.
 
-The technique brief's conclusion: a small draft guesses several tokens in a row well, Medusa heads give cheap
-alternatives at each depth, and one tree verification checks both. The tree for one sequence::
+Why: a chain drafter guesses several tokens in a row well, Medusa heads give cheap alternatives at each depth,
+and one tree verification checks both. The tree for one sequence::
 
     root (last committed token)
      ├─ t1 ─ t2 ─ t3 ─ m4          trunk t1..t3: the chain drafter's tokens (self_spec or a draft model)
@@ -20,24 +20,30 @@ path); a branch node that was accepted instead is new to it, like the bonus toke
 step. The trunk length follows the dynamic-γ rule on the trunk's acceptance, sized by the engine's cost model;
 ``expected_tokens`` adds the measured rate at which a branch rescues a rejected trunk node.
 
-Config: ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the shipped Medusa heads;
-``"model": PATH`` makes a draft model the trunk (an HF/GGUF model, ``"target"``: the target itself, e.g. with
-``draft_linear_kernel``, or a ``leapdecode train draft`` folder), unless ``"trunk": "self_spec"`` says PATH is an
-exit adapter (``"trunk": "eagle"``: a feature-conditioned draft, shipped or PATH); ``"trunk": "draft_model"``
-without a path takes the shipped draft; ``"heads": PATH`` other heads,
-``"branches": N`` candidates per depth beside the trunk (default 1).
+Config (options.HybridOptions): ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the
+shipped Medusa heads; ``"model": PATH`` makes a draft model the trunk (an HF/GGUF model, ``"target"``: the target
+itself, e.g. with ``draft_linear_kernel``, or a ``leapdecode train draft`` folder; a folder holding a
+feature-conditioned draft makes an ``eagle`` trunk), unless ``"trunk"`` says which drafter PATH is for
+(``"self_spec"``: an exit adapter, ``"eagle"``: a feature draft, shipped or PATH); ``"trunk": "draft_model"``
+without a path takes the shipped draft; ``"heads": PATH`` other heads, ``"branches": N`` candidates per depth
+beside the trunk (default 1).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.dynamic_gamma import DynamicGamma, GammaState, expected_tokens
-from leapdecode.spec.medusa import MedusaProposer
-from leapdecode.spec.proposer import Proposal, Proposer
+from leapdecode.speculative.artifacts import MEDUSA_DIR, is_feature_draft
+from leapdecode.speculative.methods.draft_model import make_draft_model
+from leapdecode.speculative.methods.eagle import EagleProposer
+from leapdecode.speculative.methods.medusa import MedusaProposer
+from leapdecode.speculative.methods.self_spec import SelfSpecProposer
+from leapdecode.speculative.options import TrunkMethod
+from leapdecode.speculative.policy import DynamicGamma, GammaState, expected_tokens
+from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost
+from leapdecode.speculative.shadow_cache import ShadowCacheProposer
 
 DEFAULT_BRANCHES = 1
 RESCUE_PRIOR = 0.2  # chance that a branch saves a rejected trunk node, before any measurement
@@ -67,13 +73,31 @@ def hybrid_tree(trunk: list[int], candidates: list[list[int]] | None, branches: 
     return tokens, parents
 
 
+def default_trunk(model: str | None) -> TrunkMethod:
+    """The trunk when the config names none: the shipped exit adapter without "model"; with one, an ``eagle``
+    trunk when the folder holds a feature-conditioned draft, else a draft model."""
+    if model is None:
+        return "self_spec"
+    return "eagle" if is_feature_draft(model) else "draft_model"
+
+
+def make_trunk(cfg: SpeculativeConfig, view: EngineView, trunk: TrunkMethod) -> ShadowCacheProposer:
+    """The trunk's chain drafter ("model", if given, names its checkpoint or folder). An eagle trunk drafts a
+    chain: the hybrid builds its own tree."""
+    if trunk == "draft_model":
+        return make_draft_model(cfg, view)
+    if trunk == "eagle":
+        return EagleProposer.from_config(cfg, view)
+    return SelfSpecProposer.from_config(cfg, view, kind="self_spec")
+
+
 class HybridProposer(Proposer):
     """A chain drafter's trunk plus Medusa branches, verified as one tree. Invariant: the chain drafter's shadow
     state only ever advances by accepted *trunk* nodes (``on_verified``)."""
 
     name = "hybrid"
 
-    def __init__(self, chain: Proposer, heads: MedusaProposer, branches: int = DEFAULT_BRANCHES,
+    def __init__(self, chain: ShadowCacheProposer, heads: MedusaProposer, branches: int = DEFAULT_BRANCHES,
                  gamma: DynamicGamma | None = None) -> None:
         self.chain = chain
         self.heads = heads
@@ -84,40 +108,20 @@ class HybridProposer(Proposer):
         self._last_trunk = 1
 
     @classmethod
-    def from_config(cls, cfg, engine) -> HybridProposer:
-        from leapdecode.spec.draft_model import DraftModelProposer
-        from leapdecode.spec.self_spec import SelfSpecProposer, is_adapter_folder
-
-        ex = dict(cfg.extra or {})
-        branches = ex.pop("branches", DEFAULT_BRANCHES)
-        if not isinstance(branches, int) or branches < 0:
-            raise ValueError(f"branches must be an integer >= 0, got {branches!r}")
-        trunk = ex.pop("trunk", "draft_model" if cfg.model else "self_spec")
-        if trunk not in ("self_spec", "draft_model", "eagle"):
-            raise ValueError(f'trunk must be "self_spec", "draft_model" or "eagle", got {trunk!r}')
-        heads_cfg = dataclasses.replace(cfg, method="medusa", model=ex.pop("heads", None), extra=ex)
-        heads = MedusaProposer.from_config(heads_cfg, engine)
-        chain: Proposer
-        if trunk == "draft_model" and (cfg.model is None or is_adapter_folder(cfg.model)):  # a distilled draft
-            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method="draft_model", extra=ex), engine,
-                                                 kind="draft_model")
-        elif trunk == "draft_model":
-            chain = DraftModelProposer.from_path(cfg.model, engine, cfg.draft_linear_kernel)
-        else:  # self_spec or eagle: "model", if given, names that drafter's folder; the trunk is a chain
-            from leapdecode.spec.feature_draft import TREE_KEYS
-
-            trunk_ex = {k: v for k, v in ex.items() if k not in TREE_KEYS}
-            chain = SelfSpecProposer.from_config(dataclasses.replace(cfg, method=trunk, extra=trunk_ex), engine,
-                                                 kind=trunk)
-        chain.argmax_drafts = True  # type: ignore[attr-defined]  # candidates for the tree walk (see above)
-        return cls(chain, heads, branches, DynamicGamma(cfg))
+    def from_config(cls, cfg: SpeculativeConfig, view: EngineView) -> HybridProposer:
+        opts = cfg.hybrid
+        # "model" names the trunk's drafter here, so the heads come from "heads" or the shipped folder
+        heads = MedusaProposer.from_config(cfg, view, heads_dir=opts.heads or str(MEDUSA_DIR))
+        chain = make_trunk(cfg, view, opts.trunk or default_trunk(cfg.model))
+        chain.argmax_drafts = True  # candidates for the tree walk (see above)
+        return cls(chain, heads, opts.branches, DynamicGamma(cfg))
 
     # ---------------------------------------------------------------------------------------- sizing
     def _state(self, seq: Sequence) -> GammaState:
-        st = seq.spec_state.get("hybrid_gamma")
+        st = seq.draft_state.hybrid_gamma
         if st is None:
             assert self.gamma is not None
-            st = seq.spec_state["hybrid_gamma"] = self.gamma.new_state()
+            st = seq.draft_state.hybrid_gamma = self.gamma.new_state()
             st.acceptance_ema = self.chain.acceptance_prior()
         return st
 
@@ -131,7 +135,7 @@ class HybridProposer(Proposer):
         depth = self.heads.heads.max_offset
         return trunk + self.branches * min(trunk, depth) + (1 if trunk < depth else 0)
 
-    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
+    def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float]:
         st = self._state(seq)
         trunk = max(1, min(st.gamma, room))
         if cost is not None:  # the trunk length whose whole tree pays best (0: plain decoding)
@@ -141,7 +145,7 @@ class HybridProposer(Proposer):
         if trunk == 0:
             st.acceptance_ema += 0.05 * (self.chain.acceptance_prior() - st.acceptance_ema)  # retry later
             return 0, 1.0
-        seq.spec_state["hybrid_trunk"] = trunk
+        seq.draft_state.hybrid_trunk = trunk
         self._last_trunk = trunk
         return min(self.nodes_for(trunk), room), self.expected_tokens(st.acceptance_ema, trunk)
 
@@ -155,7 +159,8 @@ class HybridProposer(Proposer):
 
     # ---------------------------------------------------------------------------------------- drafting
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        trunks = [min(b, s.spec_state.get("hybrid_trunk", b)) if b > 0 else 0 for s, b in zip(seqs, budgets)]
+        trunks = [min(b, b if s.draft_state.hybrid_trunk is None else s.draft_state.hybrid_trunk) if b > 0 else 0
+                  for s, b in zip(seqs, budgets)]
         chain = self.chain.propose(seqs, trunks)
         rows, hidden = self.heads.fresh_hidden(seqs, budgets)
         cand: dict[int, list[list[int]]] = {}
@@ -165,17 +170,18 @@ class HybridProposer(Proposer):
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
             trunk = list(chain[i].tokens)
             if budget <= 0 or (not trunk and i not in cand):
-                seq.spec_state["hybrid_trunk_len"] = 0
+                seq.draft_state.hybrid_trunk_len = 0
                 props.append(Proposal([]))
                 continue
             tokens, parents = hybrid_tree(trunk, cand.get(i), self.branches, budget)
-            seq.spec_state["hybrid_trunk_len"] = min(len(trunk), budget)
+            seq.draft_state.hybrid_trunk_len = min(len(trunk), budget)
             props.append(Proposal(tokens, None, parents))
         return props
 
     def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
-        path = seq.spec_state.get("accepted_path") or []
-        trunk_len = seq.spec_state.pop("hybrid_trunk_len", 0)
+        st = seq.draft_state
+        path = st.accepted_path
+        trunk_len, st.hybrid_trunk_len = st.hybrid_trunk_len, 0
         on_trunk = 0
         while on_trunk < min(len(path), trunk_len) and path[on_trunk] == on_trunk:
             on_trunk += 1
@@ -197,4 +203,4 @@ class HybridProposer(Proposer):
         self.heads.release(seq)
 
 
-__all__ = ["HybridProposer", "hybrid_tree"]
+__all__ = ["HybridProposer", "default_trunk", "hybrid_tree", "make_trunk"]

@@ -1,7 +1,7 @@
 """Blockwise parallel decoding (Stern, Shazeer & Uszkoreit 2018): predict k tokens at once, verify, accept.
 
 **Predict.** k proposal heads, head i predicting the token i places after the one the target emits from the same
-hidden state (offsets 1..k). They are Medusa heads with the one-per-offset layout (``medusa.py``: a residual
+hidden state (offsets 1..k). They are Medusa heads with the one-per-offset layout (``heads.py``: a residual
 block on the target's final hidden state, read out by the target's own LM head), trained by the Medusa trainer:
 ``leapdecode train medusa --layout 1,2,...,k``. Each head proposes its top-1 token, so a step drafts a *chain* of
 k tokens (Medusa with a one-path tree), verified in the engine's plain causal layout. A folder of n heads serves
@@ -15,7 +15,7 @@ every k <= n (the first k heads); the shipped ones (``leapdecode/artifacts/block
 - ``"exact"`` (default, lossless): greedy requests keep drafts while each equals the target's argmax, then emit
   the target's argmax at the first mismatch (or after the last draft) -- token-identical to plain greedy
   decoding. Sampled requests walk the chain drawing ``x ~ p`` at each position and keep the draft while it
-  equals ``x`` (the one-path case of ``tree.verify_tree_sampling``): every emitted token is one draw from the
+  equals ``x`` (the one-path case of ``acceptance.verify_tree_sampling``): every emitted token is one draw from the
   target's distribution with the request's generator, so a seeded request reproduces plain seeded sampling.
 - ``"topk"`` (lossy, opt-in; Stern et al. §5 "top-k selection"): draft i is kept if it is among the target's
   ``top_k`` tokens at its position -- fewer than ``top_k`` tokens score strictly higher, so ties favour the
@@ -44,23 +44,24 @@ from pathlib import Path
 
 import torch
 
+from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
-from leapdecode.layers.sampler import processed_probs, sample_from
-from leapdecode.spec.medusa import HeadsProposer, MedusaHeads, check_heads_fit, load_heads
-from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.tree import verify_tree_sampling
+from leapdecode.layers.sampler import processed_probs
+from leapdecode.speculative.acceptance import verify_block_topk, verify_tree_sampling
+from leapdecode.speculative.artifacts import BLOCKWISE_DIR, check_heads_fit, load_heads
+from leapdecode.speculative.heads import HeadsProposer, MedusaHeads
+from leapdecode.speculative.options import Acceptance
+from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
 
-DEFAULT_HEADS_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "blockwise"
-ACCEPTANCE = ("exact", "topk")
 DEFAULT_TOP_K = 2
 
 
 @dataclass(frozen=True)
 class BlockwiseSettings:
-    """The checked knobs of one blockwise configuration (see the module docstring)."""
+    """One blockwise configuration resolved against its heads folder (see the module docstring)."""
 
     k: int
-    acceptance: str = "exact"
+    acceptance: Acceptance = "exact"
     top_k: int = DEFAULT_TOP_K
     min_block: int = 0
 
@@ -69,11 +70,10 @@ class BlockwiseSettings:
         return self.acceptance == "topk"
 
     @classmethod
-    def from_config(cls, cfg, num_heads: int) -> BlockwiseSettings:
-        """From a ``SpeculativeConfig`` whose heads folder holds ``num_heads`` heads; every mistake is a
-        ValueError that says what to change. ``top_k`` / ``min_block`` without ``acceptance="topk"`` are
-        refused rather than ignored: exact mode is lossless and has nothing for them to change."""
-        ex = cfg.extra
+    def from_config(cls, cfg: SpeculativeConfig, num_heads: int) -> BlockwiseSettings:
+        """From a config whose heads folder holds ``num_heads`` heads (options.BlockwiseOptions checked the rest);
+        every mistake is a ValueError that says what to change."""
+        opts = cfg.blockwise
         k = cfg.num_speculative_tokens if cfg.num_speculative_tokens is not None else num_heads
         if not isinstance(k, int) or not 1 <= k <= num_heads:
             raise ValueError(
@@ -81,68 +81,13 @@ class BlockwiseSettings:
                 f"{num_heads} heads, one per offset 1..{num_heads}), got {k!r}; train more heads with "
                 "`leapdecode train medusa --layout 1,2,...,k`"
             )
-        acceptance = ex.get("acceptance", "exact")
-        if acceptance not in ACCEPTANCE:
-            raise ValueError(f"blockwise acceptance must be one of {ACCEPTANCE}, got {acceptance!r}")
-        if acceptance == "exact":
-            extra = sorted(set(ex) & {"top_k", "min_block"})
-            if extra:
-                raise ValueError(f"{', '.join(extra)} only apply to acceptance='topk' (lossy, opt-in); exact "
-                                 "acceptance is lossless and takes neither")
+        if opts.acceptance == "exact":
             return cls(k)
-        top_k = ex.get("top_k", DEFAULT_TOP_K)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"blockwise top_k must be an integer >= 1, got {top_k!r}")
-        min_block = ex.get("min_block", 0)
-        if isinstance(min_block, bool) or not isinstance(min_block, int) or not 0 <= min_block <= k:
+        min_block = opts.min_block or 0
+        if min_block > k:
             raise ValueError(f"blockwise min_block must be an integer in [0, k={k}] (proposed tokens kept without "
                              f"the top-k test), got {min_block!r}")
-        return cls(k, acceptance, top_k, min_block)
-
-
-def topk_accepted(
-    scores: torch.Tensor, drafts: list[int], top_k: int, min_block: int = 0, probs: bool = False
-) -> tuple[int, int]:
-    """(drafts kept, how many of them were not the top choice) under top-k acceptance.
-
-    ``scores`` [>= len(drafts), V]: row i scores draft i's position -- logits, or with ``probs`` a sampled
-    request's processed distribution, where a zero-probability token never passes (plain sampling could not
-    produce it). Draft i passes if fewer than ``top_k`` tokens score strictly higher than it; the first
-    ``min_block`` drafts pass regardless; acceptance stops at the first failure."""
-    n = len(drafts)
-    if n == 0:
-        return 0, 0
-    d = torch.tensor(drafts, dtype=torch.long, device=scores.device)
-    rows = scores[:n].float()
-    own = rows.gather(1, d.unsqueeze(1))
-    higher = (rows > own).sum(dim=1)  # the draft's rank (0 = argmax, ties favour the draft)
-    ok = higher < top_k
-    if probs:
-        ok &= own.squeeze(1) > 0
-    ok[: min(min_block, n)] = True
-    accepted = n if bool(ok.all()) else int((~ok).nonzero()[0, 0])
-    return accepted, int((higher[:accepted] > 0).sum())
-
-
-def verify_block_topk(
-    logits: torch.Tensor,
-    drafts: list[int],
-    params,
-    generator: torch.Generator | None,
-    top_k: int,
-    min_block: int = 0,
-) -> tuple[list[int], int, int]:
-    """Top-k acceptance of a chain: (emitted tokens, drafts kept, kept drafts that were not the top choice).
-    Greedy requests rank logits and emit the argmax after the last kept draft; sampled requests rank their
-    processed distribution and draw the next token from it."""
-    if params.greedy:
-        accepted, lossy = topk_accepted(logits, drafts, top_k, min_block)
-        nxt = int(logits[accepted].argmax())
-    else:
-        p = processed_probs(logits, [params] * logits.shape[0])
-        accepted, lossy = topk_accepted(p, drafts, top_k, min_block, probs=True)
-        nxt = sample_from(p[accepted], generator)
-    return list(drafts[:accepted]) + [nxt], accepted, lossy
+        return cls(k, opts.acceptance, opts.top_k if opts.top_k is not None else DEFAULT_TOP_K, min_block)
 
 
 class BlockwiseProposer(HeadsProposer):
@@ -169,16 +114,16 @@ class BlockwiseProposer(HeadsProposer):
         self.settings = settings
 
     @classmethod
-    def from_config(cls, cfg, engine) -> BlockwiseProposer:
-        folder = Path(cfg.model) if cfg.model else DEFAULT_HEADS_DIR
+    def from_config(cls, cfg: SpeculativeConfig, view: EngineView) -> BlockwiseProposer:
+        folder = Path(cfg.model) if cfg.model else BLOCKWISE_DIR
         heads, subset, meta = load_heads(folder)
-        weight = check_heads_fit(folder, heads, meta, engine, kind="blockwise")
+        weight = check_heads_fit(folder, heads, meta, view.model, kind="blockwise")
         proposer = cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
-        proposer.pack_readout(engine)
+        proposer.pack_readout(view)
         return proposer
 
     # ---------------------------------------------------------------------------------------------- sizing
-    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float]:
+    def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float]:
         """Always the full block (``fixed_budget``), trimmed to ``room``; the expected-tokens figure is the
         upper bound k + 1 (the engine does not weigh it for fixed-budget drafters)."""
         n = max(0, min(self.settings.k, room))
@@ -222,11 +167,4 @@ class BlockwiseProposer(HeadsProposer):
         return tokens, len(path)
 
 
-__all__ = [
-    "ACCEPTANCE",
-    "DEFAULT_HEADS_DIR",
-    "BlockwiseProposer",
-    "BlockwiseSettings",
-    "topk_accepted",
-    "verify_block_topk",
-]
+__all__ = ["BlockwiseProposer", "BlockwiseSettings"]

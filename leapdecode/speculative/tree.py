@@ -14,7 +14,7 @@ in the KV cache). Node i sits at RoPE position ``start + depth(i)``, its K/V in 
 ancestor mask lets it attend to exactly the tokens of its own path, so its logits equal those of a plain forward
 over ``prefix + path`` (tested by brute force in tests/test_tree.py).
 
-Verification walks from the root:
+Verification (acceptance.py) walks from the root:
 
 - greedy: descend to the child whose token equals the target's argmax at the current node; stop when none does
   and emit the argmax there (the "bonus"). Exactly plain greedy decoding (lossless).
@@ -32,13 +32,10 @@ Accepted nodes whose slots are not the sequential ones get their K/V copied ther
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 
 import torch
-
-from leapdecode.layers.sampler import sample_from
 
 Path = tuple[int, ...]
 
@@ -194,75 +191,6 @@ def select_by_score(scores: Sequence[float], parents: Sequence[int], max_nodes: 
     return kept, new_parents
 
 
-# ----------------------------------------------------------------------------------------- verification
-def verify_tree_greedy(
-    target_argmax: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """``target_argmax`` has one entry per row (root, then the nodes). Returns (emitted tokens, accepted node
-    indices along the path)."""
-    children = children_of(parents)
-    path: list[int] = []
-    row = 0
-    while True:
-        want = int(target_argmax[row])
-        nxt = next((c for c in children[row] if tokens[c] == want), None)
-        if nxt is None:
-            return [tokens[i] for i in path] + [want], path
-        path.append(nxt)
-        row = nxt + 1
-
-
-def verify_tree_sampling(
-    probs: torch.Tensor, tokens: Sequence[int], parents: Sequence[int], generator: torch.Generator | None
-) -> tuple[list[int], list[int]]:
-    """``probs``: [1 + n, V] target distributions (request temperature/top-k/top-p already applied)."""
-    children = children_of(parents)
-    path: list[int] = []
-    row = 0
-    while True:
-        x = sample_from(probs[row], generator)
-        nxt = next((c for c in children[row] if tokens[c] == x), None)
-        if nxt is None:
-            return [tokens[i] for i in path] + [x], path
-        path.append(nxt)
-        row = nxt + 1
-
-
-def typical_threshold(p: torch.Tensor, eps: float, delta: float) -> float:
-    """Medusa's typical-acceptance bar ``min(eps, delta * exp(-H(p)))`` for one distribution."""
-    nz = p[p > 0]
-    entropy = float(-(nz * nz.log()).sum())
-    return min(eps, delta * math.exp(-entropy))
-
-
-def verify_tree_typical(
-    probs: torch.Tensor,
-    tokens: Sequence[int],
-    parents: Sequence[int],
-    generator: torch.Generator | None,
-    eps: float = 0.09,
-    delta: float = 0.3,
-) -> tuple[list[int], list[int]]:
-    """Lossy: accept the deepest path whose every node passes the typical bar at its parent."""
-    rows = probs.shape[0]
-    bars = [typical_threshold(probs[r], eps, delta) for r in range(rows)]
-    ok: list[bool] = []
-    score: list[float] = []
-    for t, p in zip(tokens, parents):
-        pr = float(probs[p + 1, t])
-        passed = pr > bars[p + 1] and (p < 0 or ok[p])
-        ok.append(passed)
-        score.append((score[p] if p >= 0 else 0.0) + math.log(max(pr, 1e-30)))
-    best, best_key = -1, (0, 0.0)
-    depths = depths_of(parents)
-    for i in range(len(tokens)):
-        if ok[i] and (depths[i], score[i]) > best_key:
-            best, best_key = i, (depths[i], score[i])
-    path = path_to(best, parents)
-    bonus = sample_from(probs[best + 1], generator)
-    return [tokens[i] for i in path] + [bonus], path
-
-
 def compaction_moves(path: Sequence[int]) -> list[tuple[int, int]]:
     """(source, destination) node offsets to move the accepted nodes' K/V into sequential slots: accepted node
     ``path[j]`` lives in the slot of node offset ``path[j]`` after the root and belongs in offset ``j``. Sources
@@ -282,8 +210,4 @@ __all__ = [
     "select_by_score",
     "top_paths",
     "tree_attention_mask",
-    "typical_threshold",
-    "verify_tree_greedy",
-    "verify_tree_sampling",
-    "verify_tree_typical",
 ]

@@ -9,8 +9,9 @@ prompt length (a rescan of a 6k-token prompt every step would cost more than the
 
 from __future__ import annotations
 
+from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.proposer import Proposal, Proposer
+from leapdecode.speculative.proposer import Proposal, Proposer
 
 
 class NgramProposer(Proposer):
@@ -21,10 +22,14 @@ class NgramProposer(Proposer):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig) -> NgramProposer:
+        return cls(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
     def _index(self, seq: Sequence) -> dict[tuple[int, ...], int]:
-        state = seq.spec_state
-        index: dict[tuple[int, ...], int] = state.setdefault("ngram_index", {})
-        done = state.get("ngram_done", 0)  # n-grams ending before position `done` are indexed
+        state = seq.draft_state
+        index = state.ngram_index
+        done = state.ngram_done  # n-grams ending before position `done` are indexed
         toks = seq.token_ids
         # index n-grams that end at positions < len-1: the suffix itself must not match itself
         for end in range(max(done, 1), len(toks)):
@@ -32,7 +37,7 @@ class NgramProposer(Proposer):
                 if end - n < 0:
                     break
                 index[tuple(toks[end - n : end])] = end
-        state["ngram_done"] = len(toks)
+        state.ngram_done = len(toks)
         return index
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
@@ -47,3 +52,6 @@ class NgramProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(s, k) if k > 0 else []) for s, k in zip(seqs, budgets)]
+
+
+__all__ = ["NgramProposer"]

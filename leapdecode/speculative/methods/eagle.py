@@ -2,8 +2,10 @@
 
 A plain small draft sees only tokens, so it has to re-derive from scratch what the target "had in mind". This
 drafter reads, at each position p, the target's final normed hidden state one position back together with the
-token actually chosen there, ``fc([f_{p-1}, embed(x_p)])``, and is trained (``leapdecode train draft --features``)
-to output the target's next feature f_p, which the target's own LM head turns into the draft's next token::
+token actually chosen there, ``fc([f_{p-1}, embed(x_p)])``, and is trained (``leapdecode train eagle``)
+to output the target's next feature f_p, which the target's own LM head turns into the draft's next token. (The
+same "next feature" idea as EAGLE, Li et al. 2024; here its name everywhere: method ``eagle``, class
+``EagleProposer``, shipped in ``leapdecode/artifacts/eagle/``.)::
 
     committed (target features)                 drafting (the draft's own features)
     x_{n-2}   x_{n-1}                           d_1            d_2
@@ -12,7 +14,7 @@ to output the target's next feature f_p, which the target's own LM head turns in
     (f from the target's verification pass, tagged by KV slot)
 
 - **Features of committed tokens** come from the target's passes: the runner hands the residual stream after its
-  last layer to :meth:`FeatureDraftProposer._capture` (``ModelRunner.add_capture`` at L = num_layers), which
+  last layer to :meth:`EagleProposer._capture` (``ModelRunner.add_capture`` at L = num_layers), which
   applies the target's final norm and files it by KV slot with the (position, token) it belongs to, exactly as
   self-speculation files h_L. Nothing of the target is ever recomputed for the draft, except the fallback below.
 - **The draft's K/V** lives in its own paged cache (``adapter_bm``). After verification it is rolled back to
@@ -25,7 +27,7 @@ to output the target's next feature f_p, which the target's own LM head turns in
 
 **Dynamic tree** (EAGLE-2, opt-in with ``"tree_nodes": N``): instead of one chain, the draft grows a tree. Each
 pass expands the ``tree_beam`` best nodes of the newest depth (best = highest cumulative draft probability, the
-product along the path), each into its ``tree_topk`` most likely children; after ``tree_depth`` depths the N
+product along the path), each into its ``tree_top_k`` most likely children; after ``tree_depth`` depths the N
 best nodes of the whole tree are verified in one target pass (tree.py's walk: lossless for greedy and sampling,
 the candidates being deterministic). The passes write their nodes' draft K/V to scratch positions after the
 committed prefix and attend through a tree mask that covers the nodes cached by earlier passes::
@@ -38,8 +40,8 @@ narrow tree and an unsure one a small tree or none.
 
 It shares everything else with self-speculation (SelfSpecProposer): artefact format and loading, the stop
 threshold ``min_draft_prob``, the vocabulary-subset head, shadow caches, cost calibration. The draft is an
-``ExitAdapter`` with ``feature_input`` (L = 0), so ``{"method": "draft_model"}`` runs whichever kind the
-artefact holds.
+``ExitAdapter`` with ``feature_input`` (L = 0); only the ``eagle`` method runs one (``draft_model`` and
+``self_spec`` refuse a feature draft).
 """
 
 from __future__ import annotations
@@ -48,28 +50,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
-from leapdecode.spec.dynamic_gamma import expected_tokens
-from leapdecode.spec.proposer import Proposal
-from leapdecode.spec.self_spec import SelfSpecProposer, _Plan, _with_probs
-from leapdecode.spec.tree import select_by_score
+from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.methods.self_spec import DEFAULT_MIN_DRAFT_PROB, Plan, SelfSpecProposer
+from leapdecode.speculative.options import DraftPrecision, EagleTreeOptions
+from leapdecode.speculative.policy import expected_tokens
+from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
+from leapdecode.speculative.shadow_cache import attach_probs
+from leapdecode.speculative.tree import select_by_score
 
-# dynamic tree defaults, chosen on 6 MT-Bench development prompts at batch 1 on the 2-core CPU (README: the
-# eagle tree table): wider or deeper trees accepted at most 0.03 more tokens per step and cost more to draft
-DEFAULT_TREE_TOPK = 2  # children considered per expanded node
-DEFAULT_TREE_BEAM = 2  # nodes expanded per depth
-DEFAULT_TREE_DEPTH = 3
-DEFAULT_TREE_MIN_PROB = 0.05  # smallest cumulative draft probability a node may have (not tuned)
+# the tree defaults (EagleTreeOptions) were chosen on 6 MT-Bench development prompts at batch 1 on the 2-core
+# CPU (README: the eagle tree table): wider or deeper trees accepted at most 0.03 more tokens per step and cost
+# more to draft
 TREE_EMA = 0.2  # per-sequence tokens-per-step estimate of the tree: weight of each new step
-TREE_KEYS = ("tree_nodes", "tree_topk", "tree_beam", "tree_depth", "tree_min_prob")
 
 
 @dataclass
 class _Tree:
     """One sequence's tree while it grows: nodes in creation order (parents first)."""
 
-    plan: _Plan
+    plan: Plan
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
@@ -93,30 +95,37 @@ class _Tree:
         return new
 
 
-class FeatureDraftProposer(SelfSpecProposer):
+class EagleProposer(SelfSpecProposer):
     """Drafts with a feature-conditioned ExitAdapter over the target's captured top-layer features (module
     docstring). Invariant: after ``on_verified`` the draft's cache holds only positions whose input feature was
     the target's."""
 
     name = "eagle"
-    tree_nodes = 0  # 0: draft a chain; N > 0: grow a dynamic tree and verify its N best nodes
-    tree_topk = DEFAULT_TREE_TOPK
-    tree_beam = DEFAULT_TREE_BEAM
-    tree_depth = DEFAULT_TREE_DEPTH
-    tree_min_prob = DEFAULT_TREE_MIN_PROB
 
-    def configure_tree(self, extra: dict) -> None:
-        """Read and check the dynamic-tree keys of the speculative config (module docstring)."""
-        ints = {"tree_nodes": 0, "tree_topk": 1, "tree_beam": 1, "tree_depth": 1}
-        for key, low in ints.items():
-            v = extra.get(key, getattr(self, key))
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {v!r}")
-            setattr(self, key, v)
-        v = extra.get("tree_min_prob", self.tree_min_prob)
-        if not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
-            raise ValueError(f"tree_min_prob must be a number in [0, 1), got {v!r}")
-        self.tree_min_prob = float(v)
+    def __init__(self, view: EngineView, adapter: ExitAdapter, min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB,
+                 vocab_subset: torch.Tensor | None = None, draft_precision: DraftPrecision = "int8") -> None:
+        super().__init__(view, adapter, min_draft_prob, vocab_subset, draft_precision)
+        self.configure_tree(EagleTreeOptions())  # a chain until the config asks for a tree
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, view: EngineView, kind: str = "eagle",
+                    shipped_only: bool = False, tree: EagleTreeOptions | None = None) -> EagleProposer:
+        """The feature draft ``load_drafter`` finds (``kind`` must be "eagle"), drafting a chain, or the dynamic
+        tree of ``tree`` (``{"method": "eagle"}`` passes the config's; under ``auto`` and as a hybrid's trunk it
+        drafts a chain)."""
+        prop = super().from_config(cfg, view, kind, shipped_only)
+        assert isinstance(prop, EagleProposer)
+        if tree is not None:
+            prop.configure_tree(tree)
+        return prop
+
+    def configure_tree(self, tree: EagleTreeOptions) -> None:
+        """The dynamic-tree settings (module docstring); ``tree_nodes`` 0 drafts a chain."""
+        self.tree_nodes = tree.tree_nodes
+        self.tree_top_k = tree.tree_top_k
+        self.tree_beam = tree.tree_beam
+        self.tree_depth = tree.tree_depth
+        self.tree_min_prob = float(tree.tree_min_prob)
 
     def capture_layer(self) -> int:
         return self.model.config.num_hidden_layers
@@ -148,7 +157,7 @@ class FeatureDraftProposer(SelfSpecProposer):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.adapter.fuse(feats, self.model.embed_tokens(ids))
 
-    def _catchup_items(self, plans: list[_Plan]) -> tuple[list[ForwardItem], torch.Tensor]:
+    def _catchup_items(self, plans: list[Plan]) -> tuple[list[ForwardItem], torch.Tensor]:
         """The first draft pass: every position from the draft's cache end through the last committed token, on
         target features (its one logit row per sequence: the newest position)."""
         items = []
@@ -177,7 +186,7 @@ class FeatureDraftProposer(SelfSpecProposer):
             if active:  # each chain's next input: its own feature and the token it just drafted
                 items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
                 h_in = self._fused(feats[keep], toks)
-        return _with_probs(props, probs_rows)
+        return attach_probs(props, probs_rows)
 
     # ---------------------------------------------------------------------------------------- dynamic tree
     def _propose_tree(self, seqs: list[Sequence], budgets: list[int], props: list[Proposal]) -> list[Proposal]:
@@ -197,7 +206,7 @@ class FeatureDraftProposer(SelfSpecProposer):
         depth = 1
         while growing:
             logits, ids = self._subset_logits(feats)
-            top = torch.softmax(logits, dim=-1).topk(self.tree_topk, dim=-1)
+            top = torch.softmax(logits, dim=-1).topk(self.tree_top_k, dim=-1)
             top_p = top.values.tolist()
             top_t = (top.indices if ids is None else ids[top.indices]).tolist()
             row, nxt, parts, step_items = 0, [], [], []
@@ -225,7 +234,7 @@ class FeatureDraftProposer(SelfSpecProposer):
             kept, parents = select_by_score(t.scores, t.parents, budgets[i])
             if kept:
                 props[i] = Proposal([t.tokens[k] for k in kept], None, parents)
-                t.plan.seq.spec_state["eagle_tree"] = True  # on_verified: a tree was verified this step
+                t.plan.seq.draft_state.eagle_tree = True  # on_verified: a tree was verified this step
         return props
 
     def _expansion_item(self, t: _Tree, expand: list[int], depth: int) -> ForwardItem:
@@ -247,7 +256,7 @@ class FeatureDraftProposer(SelfSpecProposer):
         return ForwardItem(t.plan.shadow.block_table, start, [0] * q, list(range(q)),
                            depths=[n - 1 + depth - start] * q, tree_mask=mask)
 
-    def tree_budget(self, seq: Sequence, room: int, cost, batch: int) -> tuple[int, float] | None:
+    def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:
         """Chains: None (dynamic gamma). Trees: ``tree_nodes`` nodes, with this sequence's measured tokens per
         tree step (an EMA from the artefact's acceptance as a chain of ``tree_depth``); under the engine's cost
         model 0 when that does not beat plain decoding, drifting back toward the prior so it is tried again."""
@@ -255,11 +264,14 @@ class FeatureDraftProposer(SelfSpecProposer):
             return None
         n = min(self.tree_nodes, room)
         prior = expected_tokens(self.acceptance_prior(), self.tree_depth)
-        est = seq.spec_state.setdefault("eagle_tree_tokens", prior)
+        st = seq.draft_state
+        if st.eagle_tree_tokens is None:
+            st.eagle_tree_tokens = prior
+        est = st.eagle_tree_tokens
         # the engine's rule for whether drafting pays, asked for one size: the whole n-node tree or nothing
         if cost is not None and n > 0 and cost.best_gamma(est, 1, batch, batch, lambda g: self.step_cost(batch, n),
                                                           rows=lambda g: n, expected=lambda a, g: a) == 0:
-            seq.spec_state["eagle_tree_tokens"] = est + 0.05 * (prior - est)
+            st.eagle_tree_tokens = est + 0.05 * (prior - est)
             return 0, 1.0
         return n, est
 
@@ -275,12 +287,14 @@ class FeatureDraftProposer(SelfSpecProposer):
         """Keep only positions drafted from target features: accepted drafts are recomputed from the target's.
         After a tree, its tokens per step enter the sequence's estimate (``tree_budget``)."""
         super().on_verified(seq, num_prefix_tokens, 0)
-        if seq.spec_state.pop("eagle_tree", False):
-            est = seq.spec_state.get("eagle_tree_tokens", 1.0 + num_accepted)
-            seq.spec_state["eagle_tree_tokens"] = est + TREE_EMA * (1.0 + num_accepted - est)
+        st = seq.draft_state
+        if st.eagle_tree:
+            st.eagle_tree = False
+            est = st.eagle_tree_tokens if st.eagle_tree_tokens is not None else 1.0 + num_accepted
+            st.eagle_tree_tokens = est + TREE_EMA * (1.0 + num_accepted - est)
 
     @torch.inference_mode()
-    def _timed_draft_step(self, n: int) -> None:
+    def timed_draft_step(self, n: int) -> None:
         """One draft step of ``n`` rows at a short context on borrowed draft blocks, for the cost model."""
         ctx = 64
         abm = self.adapter_bm
@@ -294,3 +308,4 @@ class FeatureDraftProposer(SelfSpecProposer):
                 torch.softmax(self._subset_logits(out)[0], dim=-1).max(dim=-1)
         finally:
             self.num_adapter_tokens = count
+__all__ = ["EagleProposer"]

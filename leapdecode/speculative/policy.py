@@ -1,4 +1,7 @@
-"""How many tokens to draft: the dynamic-γ rule (technique brief §2.1) and a measured step-cost model.
+"""How many tokens to draft: the dynamic-γ rule, a measured step-cost model, and which drafters ``auto`` uses.
+
+Dynamic γ: each sequence's draft length follows its own acceptance, one step up after a streak of well-accepted
+verifications, one down after a streak of poor ones (a fixed ``num_speculative_tokens`` turns the rule off).
 
 On a GPU verifying 8 tokens costs about as much as 1; on this CPU it costs ~2.5x, so drafting blindly can make
 decoding *slower* (HF's prompt lookup runs at 0.79x of its own plain decoding here). The cost model times target
@@ -9,20 +12,15 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from statistics import median
 
 from leapdecode.config import SpeculativeConfig
-
-PRIOR_ACCEPTANCE = 0.7  # optimistic, so a new sequence gets to try drafting
-
-
-@dataclass
-class GammaState:
-    gamma: int
-    high_streak: int = 0
-    low_streak: int = 0
-    acceptance_ema: float = PRIOR_ACCEPTANCE
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.model_runner import ForwardItem, ModelRunner
+from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.speculative.artifacts import shipped_adapter_for, shipped_dir, shipped_heads_for
+from leapdecode.speculative.state import GammaState
 
 
 class DynamicGamma:
@@ -120,3 +118,42 @@ class StepCostModel:
             if rate > best_rate * 1.02:  # demand a small margin: calibration is noisy
                 best, best_rate = g, rate
         return best
+
+
+def scratch_step(runner: ModelRunner, bm: BlockManager, n: int, ctx: int = 64) -> None:
+    """One forward of n tokens after ``ctx`` cached ones on a scratch sequence (one block table borrowed from the
+    pool, returned): what the cost models time. The default is a short chat context, the regime where the step
+    cost matters most. Skipped when the pool has no room (an idle pool always has)."""
+    if bm.blocks_needed(ctx + n) > bm.num_free_blocks:
+        return
+    with bm.borrowed(ctx + n) as table:
+        runner.execute([ForwardItem(table, ctx, [0] * n, list(range(n)))])
+
+
+def calibrate_target(runner: ModelRunner, bm: BlockManager) -> StepCostModel:
+    """The target's step-cost model, timed on this machine with scratch steps."""
+    step: Callable[[int], None] = lambda n: scratch_step(runner, bm, n)  # noqa: E731
+    return StepCostModel.calibrate(step)
+
+
+def auto_methods(cfg: SpeculativeConfig, target: LlamaForCausalLM | None = None) -> list[str]:
+    """What ``auto`` chooses among: every lossless drafter usable without further arguments (a trained drafter
+    only when its shipped artefact was trained for ``target``), or only those of them that the config's
+    ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``)."""
+    wanted = cfg.auto.methods
+    methods = ["ngram"]
+    if cfg.model or (target is not None and shipped_adapter_for(target, shipped_dir("draft_model")) is not None):
+        methods.append("draft_model")
+    if target is not None:
+        if shipped_adapter_for(target, shipped_dir("self_spec")) is not None:
+            methods.append("self_spec")
+        if shipped_adapter_for(target, shipped_dir("eagle")) is not None:
+            methods.append("eagle")
+        if shipped_heads_for(target) is not None:
+            methods.append("medusa")
+    if wanted is not None:
+        missing = [m for m in wanted if m not in methods]
+        if missing:
+            raise ValueError(f"auto cannot use {missing} here (no shipped drafter for this model, or no \"model\")")
+        methods = [m for m in methods if m in wanted]
+    return methods

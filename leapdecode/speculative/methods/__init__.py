@@ -1,0 +1,1 @@
+"""One speculative method per module; ``registry.FACTORIES`` lists them."""

@@ -1,0 +1,51 @@
+"""What speculative decoding remembers about one sequence between steps (``Sequence.draft_state``).
+
+One typed record instead of a dict of string keys: the speculator's own bookkeeping first, then what each
+method keeps. Only the speculator and the proposers read or write it; the engine just carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PRIOR_ACCEPTANCE = 0.7  # optimistic, so a new sequence gets to try drafting
+
+
+@dataclass
+class GammaState:
+    """One sequence's dynamic draft length for one drafter (policy.DynamicGamma) and its acceptance estimate."""
+
+    gamma: int
+    high_streak: int = 0
+    low_streak: int = 0
+    acceptance_ema: float = PRIOR_ACCEPTANCE
+
+
+@dataclass
+class DraftState:
+    """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafted this step (None: plain
+    decoding), and only that proposer is told the verification result."""
+
+    # the speculator's bookkeeping
+    method: str | None = None  # the proposer drafting this step
+    tree_parents: list[int] | None = None  # the drafts form a tree (Proposal.parents); None: a chain
+    accepted_path: list[int] = field(default_factory=list)  # tree nodes accepted by the last verification
+    hidden_row: int = -1  # row of the last forward whose hidden state predicted the last emitted token
+    gamma: dict[str, GammaState] = field(default_factory=dict)  # per chain drafter: draft length and acceptance
+    # prompt lookup (methods/ngram.py): n-gram -> position after its latest occurrence, for tokens < ngram_done
+    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    ngram_done: int = 0
+    # heads drafters (heads.py), per proposer name: (sequence length, the hidden state that predicted its last token)
+    heads_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # EAGLE trees (methods/eagle.py): a tree was verified this step; measured tokens per tree step
+    eagle_tree: bool = False
+    eagle_tree_tokens: float | None = None
+    # hybrid trees (methods/hybrid.py): the trunk's draft length state, the trunk length asked and drafted
+    hybrid_gamma: GammaState | None = None
+    hybrid_trunk: int | None = None
+    hybrid_trunk_len: int = 0
+
+
+__all__ = ["PRIOR_ACCEPTANCE", "DraftState", "GammaState"]
