@@ -1,24 +1,20 @@
-"""A packed float32 matrix kernel for the few-row projections that dominate decoding on a CPU.
+"""The few-row CPU kernel for the projections that dominate decoding, and the other C++ ops of the extension.
 
 A decode step multiplies 1 row per sequence by every weight matrix; verifying k drafts multiplies k+1 rows. Both
 should cost what it costs to read the weights once. torch's CPU ``linear`` does that for one row (a vector-matrix
 product), but from 2 rows up it switches to a general GEMM that costs 2-2.5x as much on the machines we measured,
-which is exactly why draft verification is expensive on CPUs (the technique brief's "verifying 8 tokens costs ~1x
-a step" is a GPU fact). ``kernels/small_gemm.cpp`` keeps it at ~1.0-1.3x up to 8-16 rows; see the bench notes.
+so verifying drafts is far from free on a CPU (on a GPU, a few more rows cost almost nothing).
+``kernels/small_gemm.cpp`` keeps it at ~1.0-1.3x up to 8-16 rows; see the bench notes.
 
-Layout: each weight [N, K] gets a second copy packed as [N/16, K, 16] (16 output features per contiguous panel),
-built once at load time. Calls with at most ``MAX_ROWS`` rows use it; larger ones (prefill) keep torch's GEMM,
-which is compute-bound there and tuned for it. The copy costs one more set of weights in memory
-(``linear_kernel="torch"`` turns the kernel off).
-
-Numerics: every output of the kernel is summed in one fixed order whatever the number of rows, so a token's
-projections are bit-identical whether it is decoded alone, in a batch of 40, or verified among drafts.
+Layout of float weights (an HF folder): each weight [N, K] gets a packed copy [N/16, K, 16] (16 output features
+per contiguous panel), built once at load time. Calls with at most ``MAX_ROWS`` rows use it; larger ones (prefill)
+keep torch's GEMM, which is compute-bound there and tuned for it (``linear_kernel="torch"`` turns the kernel off).
 
 Weights of a GGUF checkpoint stay in their blocks (layers/block_formats.py): every common type (Q4_0 ... Q8_0,
-Q2_K ... Q6_K) is repacked at load time into records of 16 rows x 32 inputs, and the kernel rebuilds the exact
-float32 weights in registers and sums in the same order, so results are bit-identical to the float32 panels while
-a step reads 6-10 bits per weight instead of 32. This is not a lossy option: the float32 model *is* the
-dequantised checkpoint, and no float32 copy of it is ever made.
+Q2_K ... Q6_K) is repacked at load time into records of 16 rows x 32 inputs (x 256 for Q4_K and Q6_K), and the
+kernel rebuilds the exact float32 weights in registers and sums in the same order, so results are bit-identical to
+the float32 panels while a step reads 4.75-12 bits per weight instead of 32. This is not a lossy option: the
+float32 model *is* the dequantised checkpoint, and no float32 copy of it is ever made.
 
 ``linear_kernel="packed-int8act"`` is the one lossy option (off by default): the same blocks re-laid for AVX-512
 VNNI or AVX2 (``BlockQuantized.pack_int8_activations``; ``int8_activation_isa`` says which was built), each input
@@ -26,8 +22,9 @@ row rounded to int8 per 32 values as llama.cpp does.
 Those records serve every row count, prompts included, so the precision never depends on the batch and speculation
 stays token-identical to plain decoding at that precision.
 
-The kernel is C++ compiled on first use with the host compiler (``-march=native``; ~30 s once, cached by torch in
-``~/.cache/torch_extensions``). Without a compiler, ``"auto"`` falls back to torch with one warning.
+The kernel is C++ compiled on first use with the host compiler (``-march=native``; ~60 s once, cached by torch in
+``~/.cache/torch_extensions``). Without a compiler, ``"auto"`` falls back to torch (and GGUF weights to float32)
+with one warning.
 """
 
 from __future__ import annotations
