@@ -108,7 +108,7 @@ def test_a_crashing_comparison_system_is_skipped_not_fatal(capsys):
     import math
     import os
 
-    from leapdecode.bench.benchmark import run_isolated
+    from leapdecode.bench.external import run_isolated
 
     assert run_isolated(math.factorial, 5, what="factorial") == 120
     assert run_isolated(os.abort, what="llama.cpp") is None
@@ -118,7 +118,8 @@ def test_a_crashing_comparison_system_is_skipped_not_fatal(capsys):
 def test_ceiling_is_acceptance_over_the_targets_step_cost_at_the_verified_rows():
     """--ceiling: a row's verified rows are 1 + its drafts per step, and its ceiling is mean accepted x t(1) /
     t(rows) under the measured step costs; plain decoding's is 1.0, and batched rows get none."""
-    from leapdecode.bench.benchmark import Row, add_ceiling, format_table
+    from leapdecode.bench.benchmark import add_ceiling, format_table
+    from leapdecode.bench.rows import Row
     from leapdecode.speculative.policy import StepCostModel
 
     costs = StepCostModel([(1, 0.010), (3, 0.012), (5, 0.016)])

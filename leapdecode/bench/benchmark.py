@@ -15,13 +15,15 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.prompts import load_prompt_set
+from leapdecode.bench.rows import Row, median
 from leapdecode.layers.small_gemm import packed_formats
 
 METHOD_DEFAULTS: dict[str, dict | None] = {
@@ -36,37 +38,6 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "blockwise": {"method": "blockwise"},
     "auto": {"method": "auto"},
 }
-
-
-@dataclass
-class Row:
-    system: str
-    method: str
-    batch: int
-    num_requests: int
-    output_tokens: int
-    tok_per_s: float  # batch 1: median over requests of tokens / e2e; batched: total tokens / wall time
-    ttft_ms: float  # median
-    tpot_ms: float  # median time per output token after the first
-    mean_accepted: float = 1.0
-    speedup: float | None = None
-    identical: str = ""
-    gb_per_s: float | None = None
-    # drift, filled when some method's output differs from plain greedy (a lossy method such as blockwise top-k):
-    agreement: float | None = None  # mean share of the greedy completion reproduced before the first divergence
-    top1_share: float | None = None  # share of emitted tokens that were the target's top choice in their context
-    ppl: float | None = None  # the target's perplexity of the produced completions (given their prompts)
-    token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    num_lossy_tokens: int = 0
-    kernel: str = ""  # the engine's linear_kernel when a run compares several (--linear-kernels); "" = the first
-    # --ceiling (batch-1 rows): tokens the target verifies per step (1 + drafts), and the speedup the row's
-    # acceptance would give if drafting and bookkeeping were free: mean accepted x t(1) / t(verified rows), with t
-    # the target's measured step time. A ceiling under a bar means no drafter of this acceptance reaches it here.
-    verified_rows: float | None = None
-    ceiling: float | None = None
-    num_draft_tokens: int = 0
-    load_s: float | None = None  # the system's model load time (first `none` row and external systems)
-    peak_rss_mb: float | None = None  # its process's peak resident memory after load and the first request
 
 
 def machine_info() -> str:
@@ -116,10 +87,6 @@ def weight_bytes_per_step(model) -> int:
 BATCHED_ROUNDS = 3  # batched rows: the median of this many runs per engine, interleaved like batch-1 requests
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int]], params,
                    batched: bool) -> list[tuple[Row, Row | None]]:
     """Batch-1 rows for every (label, LLM) in ``engines``, interleaved: prompt i runs on every engine in turn
@@ -156,7 +123,7 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     tps = [len(o.outputs[0].token_ids) / w for o, w in zip(outs, wall)]
     tpot = [(w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
             for o, w in zip(outs, wall) if len(o.outputs[0].token_ids) > 1]
-    return _row(label, 1, outs, _median(tps), _median(tpot))
+    return _row(label, 1, outs, median(tps), median(tpot))
 
 
 def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
@@ -164,20 +131,20 @@ def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
     w = time.perf_counter() - t0
     tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1) for o in outs]
-    return _row(label, len(prompts_ids), outs, sum(len(o.outputs[0].token_ids) for o in outs) / w, _median(tpot))
+    return _row(label, len(prompts_ids), outs, sum(len(o.outputs[0].token_ids) for o in outs) / w, median(tpot))
 
 
 def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -> Row:
     """What batch-1 and batched rows share: token counts, median TTFT, tokens per target step, the tokens."""
     steps = sum(o.metrics.num_target_steps for o in outs)
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, _median([o.metrics.ttft_s * 1e3 for o in outs]),
+    return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, median([o.metrics.ttft_s * 1e3 for o in outs]),
                tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
                num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
                num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs))
 
 
-CEILING_ROWS = (1, 2, 3, 4, 5, 9, 17, 33, 65)  # verified rows per step at which the target's step is timed
+CEILING_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65)  # verified rows per step at which the target's step is timed
 
 
 def target_step_costs(llm, context: int, repeats: int = 9):
@@ -202,126 +169,6 @@ def add_ceiling(rows: list[Row], costs) -> None:
         steps = r.output_tokens / r.mean_accepted
         r.verified_rows = 1.0 + r.num_draft_tokens / steps if steps else 1.0
         r.ceiling = r.mean_accepted * costs(1) / costs(r.verified_rows)
-
-
-def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
-    from transformers import AutoModelForCausalLM
-
-    if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch.float32)
-    model = model.to(device).eval()
-    tps, tpot, ttft, toks = [], [], [], []
-    with torch.inference_mode():
-        x = torch.tensor([prompts_ids[0]], device=device)
-        model.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])  # warm-up
-        for ids in tqdm(prompts_ids, desc="hf transformers", leave=False):
-            x = torch.tensor([ids], device=device)
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-            t1 = time.perf_counter()
-            out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos[0])
-            w = time.perf_counter() - t1
-            gen = out[0, len(ids):].tolist()
-            toks.append(gen)
-            tps.append(len(gen) / w)
-            ttft.append((t1 - t0) * 1e3)
-            if len(gen) > 1:
-                tpot.append((w - (t1 - t0)) * 1e3 / (len(gen) - 1))
-    return Row("hf-transformers", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
-               _median(tpot), token_ids=toks)
-
-
-def run_isolated(fn, *args, what: str):
-    """``fn(*args)`` in a child process: a native crash there (say, an illegal instruction from a llama.cpp build
-    for other CPU features) is reported and skipped instead of losing the whole benchmark run."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(fn, *args).result()
-    except BrokenProcessPool:
-        print(f"{what} crashed (its process died, e.g. an illegal instruction: rebuild it for this CPU); skipping",
-              file=sys.stderr, flush=True)
-        return None
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far (VmHWM), in MiB."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def llamacpp_step_costs(llm, context: list[int], sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16),
-                        repeats: int = 7) -> list[tuple[int, float]]:
-    """llama.cpp's time to evaluate n new tokens after ``context`` (median of ``repeats``): its verification cost
-    curve, measured as the engine's own step costs are."""
-    llm.reset()
-    llm.eval(context)
-    out = []
-    for n in sizes:
-        ts = []
-        for r in range(repeats):
-            llm.n_tokens = len(context)  # eval drops the cache beyond n_tokens first
-            t0 = time.perf_counter()
-            llm.eval([(context[-1] + i + r) % 1000 + 100 for i in range(n)])
-            ts.append(time.perf_counter() - t0)
-        out.append((n, _median(ts)))
-    return out
-
-
-def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int],
-                 ceiling_context: int = 0) -> tuple[Row, list[tuple[int, float]]] | None:
-    """llama.cpp on the same prompts (batch 1, greedy), in a child process (run_isolated): its row, and with
-    ``ceiling_context`` its step cost by evaluated rows."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print("llama-cpp-python is not installed (pip install 'leapdecode[llamacpp]'); skipping llama.cpp",
-              file=sys.stderr)
-        return None
-    if model_path.is_dir():
-        print("llama.cpp needs a .gguf model; skipping", file=sys.stderr)
-        return None
-    t_load = time.perf_counter()
-    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
-    load_s = time.perf_counter() - t_load
-    tps, ttft, tpot, toks = [], [], [], []
-    for ids in tqdm(prompts_ids, desc="llama.cpp", leave=False):
-        llm.reset()
-        gen: list[int] = []
-        t0 = time.perf_counter()
-        first = None
-        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if first is None:
-                first = time.perf_counter()
-            if tok in eos:
-                break
-            gen.append(tok)
-            if len(gen) >= max_tokens:
-                break
-        w = time.perf_counter() - t0
-        toks.append(gen)
-        tps.append(len(gen) / w)
-        ttft.append(((first or t0) - t0) * 1e3)
-        if len(gen) > 1:
-            tpot.append((w - ((first or t0) - t0)) * 1e3 / (len(gen) - 1))
-    row = Row("llama.cpp", "none", 1, len(prompts_ids), sum(map(len, toks)), _median(tps), _median(ttft),
-              _median(tpot), token_ids=toks, load_s=load_s, peak_rss_mb=peak_rss_mb())
-    ctx = (prompts_ids[0] * (ceiling_context // max(1, len(prompts_ids[0])) + 1))[:ceiling_context]
-    return row, (llamacpp_step_costs(llm, ctx) if ceiling_context else [])
 
 
 def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
@@ -391,6 +238,37 @@ def format_table(rows: list[Row]) -> str:
             line += _cells(((r.load_s, ".2f"), (r.peak_rss_mb, ".0f")))
         lines.append(line)
     return "\n".join(lines)
+
+
+def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, list[tuple[int, float]]]) -> None:
+    """A PNG beside the tables: batch-1 tok/s per system (and kernel), and with --ceiling each step-cost curve
+    relative to its own 1-row step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ones = [r for r in rows if r.batch == 1]
+    fig, axes = plt.subplots(1, 2 if step_costs else 1, figsize=(11 if step_costs else 6, 3.8), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r.system}\n{r.method}" + (f"\n[{r.kernel}]" if r.kernel else "") for r in ones]
+    ax.bar(range(len(ones)), [r.tok_per_s for r in ones], color=["#4c72b0" if r.system == "leapdecode" else "#c44e52"
+                                                                  for r in ones])  # fmt: skip
+    ax.set_xticks(range(len(ones)), labels, fontsize=7)
+    ax.set_ylabel("tok/s (batch 1, median)")
+    ax.set_title(title, fontsize=9)
+    if step_costs:
+        ax = axes[0][1]
+        for tag, pts in step_costs.items():
+            ax.plot([n for n, _ in pts], [t / pts[0][1] for _, t in pts], marker="o", label=tag)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows evaluated in one step")
+        ax.set_ylabel("step time / 1-row step")
+        ax.set_title("verification cost (flat = cheap drafts)", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -555,6 +433,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows],
         }, indent=2))
         print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+    if args.plot:
+        curves = {(k if k == "llama.cpp" else f"leapdecode {k}".strip()): v for k, v in step_costs.items()}
+        write_plot(Path(args.plot), Path(str(eng.model_path)).name, rows, curves)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -600,5 +482,7 @@ def add_cli(sub) -> None:
                    "acceptance would reach if drafting were free (mean accepted x t(1) / t(rows)): whether a "
                    "drafter could pay on this machine at all, apart from its own cost")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the batch-1 tok/s and (with --ceiling) the step-cost curves to PNG (needs matplotlib)")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

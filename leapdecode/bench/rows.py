@@ -1,0 +1,42 @@
+"""One measured row of ``leapdecode bench`` (a system, a method, a batch size), shared by the engine's runs and
+the external systems it is compared with."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    system: str
+    method: str
+    batch: int
+    num_requests: int
+    output_tokens: int
+    tok_per_s: float  # batch 1: median over requests of tokens / e2e; batched: total tokens / wall time
+    ttft_ms: float  # median
+    tpot_ms: float  # median time per output token after the first
+    mean_accepted: float = 1.0
+    speedup: float | None = None
+    identical: str = ""
+    gb_per_s: float | None = None
+    # drift, filled when some method's output differs from plain greedy (a lossy method such as blockwise top-k):
+    agreement: float | None = None  # mean share of the greedy completion reproduced before the first divergence
+    top1_share: float | None = None  # share of emitted tokens that were the target's top choice in their context
+    ppl: float | None = None  # the target's perplexity of the produced completions (given their prompts)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    num_lossy_tokens: int = 0
+    kernel: str = ""  # the engine's linear_kernel when a run compares several (--linear-kernels); "" = the first
+    # --ceiling (batch-1 rows): tokens the target verifies per step (1 + drafts), and the speedup the row's
+    # acceptance would give if drafting and bookkeeping were free: mean accepted x t(1) / t(verified rows), with t
+    # the target's measured step time. A ceiling under a bar means no drafter of this acceptance reaches it here.
+    verified_rows: float | None = None
+    ceiling: float | None = None
+    num_draft_tokens: int = 0
+    load_s: float | None = None  # the system's model load time (first `none` row and external systems)
+    peak_rss_mb: float | None = None  # its process's peak resident memory after load and the first request
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
