@@ -16,7 +16,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import KIND_OF_TYPE
-from leapdecode.models.loader import load_model
+from leapdecode.models.loader import kept_weight_bytes, load_model
 
 from .test_block_formats import random_blocks
 from .test_model_parity import _run_schedule, _tokens
@@ -99,6 +99,8 @@ def test_blocks_kept_compute_bitwise_the_dequantised_model(tmp_path, mix):
     for (name, a), b in zip(kept.named_modules(), ref.modules()):
         if getattr(a, "quant", None) is not None:
             assert a.weight is None and torch.equal(a.dense_weight(), b.weight), name  # incl. Q/K row order
+    held = sum(m.quant.nbytes for m in kept.modules() if getattr(m, "quant", None) is not None)
+    assert kept_weight_bytes(path) == held + 4 * sum(p.numel() for p in kept.parameters())  # what `plan` counts
     quantized = mix != "floats"
     assert any(getattr(m, "quant", None) is not None for m in kept.modules()) == quantized
     assert small_gemm.enable(kept) > 0 and small_gemm.enable(ref) > 0
