@@ -53,6 +53,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MODEL_ALIAS = "default"
 RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+COMPLETION_ERRORS = (400, 404, 413, 500, 503)  # documented in /openapi.json
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -224,6 +225,7 @@ def build_app(
         RequestAbortedError,
     )
     from leapdecode.server.metrics import ServerMetrics
+    from leapdecode.server.openapi import install_component_schemas, operation_doc
 
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -253,6 +255,12 @@ def build_app(
     app.state.model_name = name
     app.state.metrics = metrics
     app.add_middleware(_StatusCounter, counter=metrics.requests)
+    install_component_schemas(
+        app,
+        [(P.ChatCompletionRequest, "validation"), (P.CompletionRequest, "validation")]
+        + [(m, "serialization") for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList)]
+        + [(P.ErrorResponse, "serialization")],
+    )
 
     # ------------------------------------------------------------------------------------------ errors
     def error_response(err: P.APIError) -> JSONResponse:
@@ -480,16 +488,28 @@ def build_app(
         return body(final).model_dump()
 
     # ------------------------------------------------------------------------------------------ routes
-    def route(method: str, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def route(
+        method: str,
+        path: str,
+        request_model: type[BaseModel] | None = None,
+        response_model: type[BaseModel] | None = None,
+        errors: tuple[int, ...] = (),
+        text_media_type: str | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a handler. Its annotations are strings (``from __future__ import annotations``) naming
-        imports local to this function, which FastAPI cannot resolve: give it the real ``Request`` class."""
+        imports local to this function, which FastAPI cannot resolve: give it the real ``Request`` class.
+        The bodies (parsed by hand) are declared for ``/openapi.json`` (see :mod:`leapdecode.server.openapi`)."""
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             code = fn.__code__
             fn.__annotations__ = (
                 {"request": Request} if "request" in code.co_varnames[: code.co_argcount] else {}
             )
-            app.add_api_route(path, fn, methods=[method], response_model=None)
+            streams = request_model is not None  # both completion routes answer SSE when asked
+            doc = operation_doc(
+                request_model, response_model, P.ErrorResponse, errors, streams=streams, text_media_type=text_media_type
+            )
+            app.add_api_route(path, fn, methods=[method], response_model=None, openapi_extra=doc)
             return fn
 
         return register
@@ -500,13 +520,13 @@ def build_app(
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @route("GET", "/metrics")
+    @route("GET", "/metrics", text_media_type="text/plain")
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @route("GET", "/v1/models")
+    @route("GET", "/v1/models", response_model=P.ModelList)
     async def models() -> dict[str, Any]:
         card = P.ModelCard(
             id=name,
@@ -516,7 +536,7 @@ def build_app(
         )
         return P.ModelList(data=[card]).model_dump()
 
-    @route("POST", "/v1/chat/completions")
+    @route("POST", "/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse, COMPLETION_ERRORS)
     async def chat_completions(request: Request) -> Any:
         req: ChatCompletionRequest = await parse(request, P.ChatCompletionRequest)
         check_model(req.model)
@@ -563,7 +583,7 @@ def build_app(
             ),
         )
 
-    @route("POST", "/v1/completions")
+    @route("POST", "/v1/completions", P.CompletionRequest, P.CompletionResponse, COMPLETION_ERRORS)
     async def completions(request: Request) -> Any:
         req: CompletionRequest = await parse(request, P.CompletionRequest)
         check_model(req.model)
