@@ -20,6 +20,11 @@ from leapdecode.outputs import CompletionOutput, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
 
+class KVCapacityError(ValueError):
+    """A request needs more KV blocks than the whole cache holds: it could never run, even alone, so it is refused
+    when added (rather than admitted to be preempted and recomputed forever)."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
         self.config = config
@@ -123,7 +128,7 @@ class LLMEngine:
         bm = self.block_manager
         need = bm.blocks_needed(min(n + params.max_tokens, self.max_model_len))
         if need > bm.num_blocks:
-            raise ValueError(
+            raise KVCapacityError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the cache "
                 f"has {bm.num_blocks}; raise kv_cache_blocks or lower max_tokens"
             )

@@ -216,6 +216,7 @@ def build_app(
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     import leapdecode
+    from leapdecode.engine.llm_engine import KVCapacityError
     from leapdecode.server import protocol as P
     from leapdecode.server.async_engine import (
         AsyncEngine,
@@ -389,6 +390,8 @@ def build_app(
             raise P.APIError(
                 str(e), status=503, type="server_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
             ) from None
+        except KVCapacityError as e:  # could never run, even alone: refused now, never preempted forever
+            raise P.APIError(str(e), param="max_tokens", code="kv_cache_capacity_exceeded") from None
         except (ValueError, TypeError) as e:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else prompt_param
