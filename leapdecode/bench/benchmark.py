@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from leapdecode.bench.prompts import load_prompt_set
 from leapdecode.layers.small_gemm import packed_formats
+from leapdecode.threads import THREADS_HELP, available_cpus
 
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "none": None,
@@ -249,7 +250,8 @@ def run_isolated(fn, *args, what: str):
         return None
 
 
-def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int]) -> Row | None:
+def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int],
+                 threads: int | None = None) -> Row | None:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -259,7 +261,8 @@ def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int
     if model_path.is_dir():
         print("llama.cpp needs a .gguf model; skipping", file=sys.stderr)
         return None
-    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+    # the CPUs this process was granted, as for leapdecode (os.cpu_count() ignores affinity and cgroup quotas)
+    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=threads or available_cpus(), verbose=False)
     tps, ttft, tpot, toks = [], [], [], []
     for ids in tqdm(prompts_ids, desc="llama.cpp", leave=False):
         llm.reset()
@@ -371,7 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else args.command_line
     kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
-               linear_kernel=kernels[0])
+               linear_kernel=kernels[0], num_threads=args.threads)
     eng = base.engine
     tok = eng.tokenizer
     if args.raw:
@@ -405,7 +408,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
         # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
         kbase = base if kernel == kernels[0] else LLM(model=args.model, dtype=args.dtype, device=args.device,
-                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel)
+                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel,
+                                                      num_threads=args.threads)
         if kbase is not base:
             kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
         tag = "" if kernel == kernels[0] else kernel
@@ -427,7 +431,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "hf" in compare:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
     if "llama.cpp" in compare:
-        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, what="llama.cpp")
+        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,
+                         what="llama.cpp")
         if r:
             rows.append(r)
     plain = {(r.kernel, r.batch): r for r in rows if r.system == "leapdecode" and r.method.split(" [")[0] == "none"}
@@ -511,6 +516,7 @@ def add_cli(sub) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (also llama.cpp's with --compare)")
     p.add_argument("--prompts", default="mt_bench",
                    help="mt_bench (default), grounded (summaries/extraction over WikiText passages), or a "
                    "question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from leapdecode import threads
 from leapdecode.config import EngineConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
@@ -29,8 +30,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # the CPUs this process was granted (affinity, cgroup quota), or what the caller asked for
+        self.num_threads = threads.configure(config.num_threads)
         if model is None:
             self.model_path = resolve_model(config.model)
             model, _ = load_model(self.model_path, config.torch_dtype, self.device)

@@ -690,6 +690,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config,
         kv_cache_blocks=args.kv_cache_blocks,
         max_num_seqs=args.max_num_seqs,
+        num_threads=args.threads,
         **kwargs,
     )
     app = build_app(
