@@ -272,6 +272,8 @@ def test_edge_values(path: str, body: dict[str, Any], status: int, param: str | 
     check_answer(r, bool(body.get("stream")))
     if status != 200:
         assert r.json()["error"]["param"] == param
+    if "\ud800" in json.dumps(body) or "\udfff" in json.dumps(body):
+        assert "lone surrogate" in r.json()["error"]["message"]
 
 
 def test_server_alive_and_clean_after_fuzzing(fuzz_server: str, fuzz_llm: LLM) -> None:

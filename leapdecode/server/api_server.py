@@ -167,6 +167,17 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[boo
     return False, None
 
 
+def _not_unicode(texts: list[str]) -> str | None:
+    """Why ``texts`` cannot be tokenized, if one holds a lone surrogate (JSON's ``"\\ud800"`` escapes decode to
+    one, and the tokenizer then fails with a message about its own input types); None when all are valid."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+    return None
+
+
 def _sse(payload: dict[str, Any]) -> str:
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -548,7 +559,8 @@ def build_app(
             # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
             tokens = await asyncio.to_thread(llm.apply_chat_template, req.conversation())
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
-            raise P.APIError(f"could not apply the chat template: {e}", param="messages") from None
+            why = _not_unicode([m["content"] for m in req.conversation()]) or str(e)
+            raise P.APIError(f"could not apply the chat template: {why}", param="messages") from None
         params = sampling_params(req, len(tokens), "messages")
         stream = await submit(tokens, params, None, "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
@@ -597,7 +609,8 @@ def build_app(
             try:
                 tokens, _ = await asyncio.to_thread(llm._tokenize, req.prompt)  # off the event loop, as above
             except Exception as e:
-                raise P.APIError(f"could not tokenize the prompt: {e}", param="prompt") from None
+                why = _not_unicode([req.prompt]) or str(e)
+                raise P.APIError(f"could not tokenize the prompt: {why}", param="prompt") from None
         else:
             tokens = list(req.prompt)
             vocab = engine.model_config.vocab_size
