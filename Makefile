@@ -31,7 +31,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# the server fuzz of the unit suite, with 20x the examples per operation (~10 minutes on 2 cores)
+# the server fuzz of the unit suite with 20x the examples per operation (~4 minutes on 2 cores)
 FUZZ_EXAMPLES ?= 1200
 fuzz: $(STAMP)
 	LEAPDECODE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_server_fuzz.py $(PYTEST_ARGS)

@@ -57,8 +57,16 @@ def operation_doc(
     if response is not None:
         content: dict[str, Any] = {"application/json": {"schema": _ref(response)}}
         if streams:
-            # server-sent events: each "data: " line holds one chunk (the response model) as JSON, then [DONE]
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            # server-sent events; before OpenAPI 3.2's itemSchema, `schema` describes one event: its "data" holds
+            # one chunk (the response model) as JSON, and the last event's is "[DONE]"
+            event = {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(response)}
+                },
+            }
+            content["text/event-stream"] = {"schema": event}
         doc["responses"]["200"] = {"description": "success", "content": content}
     for status in errors:
         doc["responses"][str(status)] = {
