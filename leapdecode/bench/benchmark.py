@@ -25,6 +25,7 @@ from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_lla
 from leapdecode.bench.prompts import load_prompt_set
 from leapdecode.bench.rows import Row, median
 from leapdecode.layers.small_gemm import packed_formats
+from leapdecode.threads import THREADS_HELP
 
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "none": None,
@@ -294,7 +295,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
     t_load = time.perf_counter()
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
-               linear_kernel=kernels[0])
+               linear_kernel=kernels[0], num_threads=args.threads)
     load_s = time.perf_counter() - t_load
     eng = base.engine
     tok = eng.tokenizer
@@ -333,7 +334,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
         # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
         kbase = base if kernel == kernels[0] else LLM(model=args.model, dtype=args.dtype, device=args.device,
-                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel)
+                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel,
+                                                      num_threads=args.threads)
         if kbase is not base:
             kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
         tag = "" if kernel == kernels[0] else kernel
@@ -359,7 +361,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
     if "llama.cpp" in compare:
         context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
-        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos,
+        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,
                          context if args.ceiling else 0, what="llama.cpp")
         if r:
             rows.append(r[0])
@@ -451,6 +453,7 @@ def add_cli(sub) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (also llama.cpp's with --compare)")
     p.add_argument("--prompts", default="mt_bench",
                    help="mt_bench (default), grounded (summaries/extraction over WikiText passages), or a "
                    "question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")

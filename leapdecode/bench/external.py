@@ -3,7 +3,6 @@ as the engine's rows; llama.cpp in a child process of its own, whose crash is re
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leapdecode.bench.rows import Row, median
+from leapdecode.threads import available_cpus
 
 
 def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
@@ -93,7 +93,7 @@ def llamacpp_step_costs(llm, context: list[int], sizes: tuple[int, ...] = (1, 2,
 
 
 def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int],
-                 ceiling_context: int = 0) -> tuple[Row, list[tuple[int, float]]] | None:
+                 threads: int | None = None, ceiling_context: int = 0) -> tuple[Row, list[tuple[int, float]]] | None:
     """llama.cpp on the same prompts (batch 1, greedy), in a child process (run_isolated): its row, and with
     ``ceiling_context`` its step cost by evaluated rows."""
     try:
@@ -106,7 +106,8 @@ def run_llamacpp(model_path: Path, prompts_ids: list[list[int]], max_tokens: int
         print("llama.cpp needs a .gguf model; skipping", file=sys.stderr)
         return None
     t_load = time.perf_counter()
-    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=os.cpu_count(), verbose=False)
+    # the CPUs this process was granted, as for leapdecode (os.cpu_count() ignores affinity and cgroup quotas)
+    llm = Llama(model_path=str(model_path), n_ctx=4096, n_threads=threads or available_cpus(), verbose=False)
     load_s = time.perf_counter() - t_load
     tps, ttft, tpot, toks = [], [], [], []
     for ids in tqdm(prompts_ids, desc="llama.cpp", leave=False):

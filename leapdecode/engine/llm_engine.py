@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from leapdecode import threads
 from leapdecode.config import EngineConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
@@ -21,12 +22,17 @@ from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative.speculator import Speculator
 
 
+class KVCapacityError(ValueError):
+    """A request needs more KV blocks than the whole cache holds: it could never run, even alone, so it is refused
+    when added (rather than admitted to be preempted and recomputed forever)."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # the CPUs this process was granted (affinity, cgroup quota), or what the caller asked for
+        self.num_threads = threads.configure(config.num_threads)
         if model is None:
             self.model_path = resolve_model(config.model)
             keep_blocks = None if config.linear_kernel in ("auto", "packed", "packed-int8act") else False
@@ -123,7 +129,7 @@ class LLMEngine:
         bm = self.block_manager
         need = bm.blocks_needed(min(n + params.max_tokens, self.max_model_len))
         if need > bm.num_blocks:
-            raise ValueError(
+            raise KVCapacityError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the cache "
                 f"has {bm.num_blocks}; raise kv_cache_blocks or lower max_tokens"
             )

@@ -72,12 +72,14 @@ def load_kernel(required: bool = False):
         return _ext
     if _error is None:
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load
+            from torch.utils.cpp_extension import _get_build_directory
 
             name = f"leapdecode_small_gemm_{_cpu_tag()}"
             if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
                 print("leapdecode: building the few-row linear kernel (once, ~30 s)", file=sys.stderr, flush=True)
-            _ext = load(
+            from leapdecode.kernels.build import load_extension  # a killed build cannot wedge later runs
+
+            _ext = load_extension(
                 name=name,
                 sources=[str(p) for p in SOURCES],
                 # torch rebuilds when a source or a build flag changes: the header's hash is a flag

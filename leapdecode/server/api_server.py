@@ -53,6 +53,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MODEL_ALIAS = "default"
 RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+COMPLETION_ERRORS = (400, 404, 413, 500, 503)  # documented in /openapi.json
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -166,6 +167,17 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[boo
     return False, None
 
 
+def _not_unicode(texts: list[str]) -> str | None:
+    """Why ``texts`` cannot be tokenized, if one holds a lone surrogate (JSON's ``"\\ud800"`` escapes decode to
+    one, and the tokenizer then fails with a message about its own input types); None when all are valid."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+    return None
+
+
 def _sse(payload: dict[str, Any]) -> str:
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -215,6 +227,7 @@ def build_app(
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     import leapdecode
+    from leapdecode.engine.llm_engine import KVCapacityError
     from leapdecode.server import protocol as P
     from leapdecode.server.async_engine import (
         AsyncEngine,
@@ -224,6 +237,7 @@ def build_app(
         RequestAbortedError,
     )
     from leapdecode.server.metrics import ServerMetrics
+    from leapdecode.server.openapi import install_component_schemas, operation_doc
 
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -253,6 +267,12 @@ def build_app(
     app.state.model_name = name
     app.state.metrics = metrics
     app.add_middleware(_StatusCounter, counter=metrics.requests)
+    install_component_schemas(
+        app,
+        [(P.ChatCompletionRequest, "validation"), (P.CompletionRequest, "validation")]
+        + [(m, "serialization") for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList)]
+        + [(P.ErrorResponse, "serialization")],
+    )
 
     # ------------------------------------------------------------------------------------------ errors
     def error_response(err: P.APIError) -> JSONResponse:
@@ -381,6 +401,8 @@ def build_app(
             raise P.APIError(
                 str(e), status=503, type="server_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
             ) from None
+        except KVCapacityError as e:  # could never run, even alone: refused now, never preempted forever
+            raise P.APIError(str(e), param="max_tokens", code="kv_cache_capacity_exceeded") from None
         except (ValueError, TypeError) as e:
             msg = str(e)
             param = "max_tokens" if "max_tokens" in msg else prompt_param
@@ -480,16 +502,28 @@ def build_app(
         return body(final).model_dump()
 
     # ------------------------------------------------------------------------------------------ routes
-    def route(method: str, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def route(
+        method: str,
+        path: str,
+        request_model: type[BaseModel] | None = None,
+        response_model: type[BaseModel] | None = None,
+        errors: tuple[int, ...] = (),
+        text_media_type: str | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a handler. Its annotations are strings (``from __future__ import annotations``) naming
-        imports local to this function, which FastAPI cannot resolve: give it the real ``Request`` class."""
+        imports local to this function, which FastAPI cannot resolve: give it the real ``Request`` class.
+        The bodies (parsed by hand) are declared for ``/openapi.json`` (see :mod:`leapdecode.server.openapi`)."""
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             code = fn.__code__
             fn.__annotations__ = (
                 {"request": Request} if "request" in code.co_varnames[: code.co_argcount] else {}
             )
-            app.add_api_route(path, fn, methods=[method], response_model=None)
+            streams = request_model is not None  # both completion routes answer SSE when asked
+            doc = operation_doc(
+                request_model, response_model, P.ErrorResponse, errors, streams=streams, text_media_type=text_media_type
+            )
+            app.add_api_route(path, fn, methods=[method], response_model=None, openapi_extra=doc)
             return fn
 
         return register
@@ -500,13 +534,13 @@ def build_app(
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @route("GET", "/metrics")
+    @route("GET", "/metrics", text_media_type="text/plain")
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @route("GET", "/v1/models")
+    @route("GET", "/v1/models", response_model=P.ModelList)
     async def models() -> dict[str, Any]:
         card = P.ModelCard(
             id=name,
@@ -516,7 +550,7 @@ def build_app(
         )
         return P.ModelList(data=[card]).model_dump()
 
-    @route("POST", "/v1/chat/completions")
+    @route("POST", "/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse, COMPLETION_ERRORS)
     async def chat_completions(request: Request) -> Any:
         req: ChatCompletionRequest = await parse(request, P.ChatCompletionRequest)
         check_model(req.model)
@@ -525,7 +559,8 @@ def build_app(
             # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
             tokens = await asyncio.to_thread(llm.apply_chat_template, req.conversation())
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
-            raise P.APIError(f"could not apply the chat template: {e}", param="messages") from None
+            why = _not_unicode([m["content"] for m in req.conversation()]) or str(e)
+            raise P.APIError(f"could not apply the chat template: {why}", param="messages") from None
         params = sampling_params(req, len(tokens), "messages")
         stream = await submit(tokens, params, None, "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
@@ -563,7 +598,7 @@ def build_app(
             ),
         )
 
-    @route("POST", "/v1/completions")
+    @route("POST", "/v1/completions", P.CompletionRequest, P.CompletionResponse, COMPLETION_ERRORS)
     async def completions(request: Request) -> Any:
         req: CompletionRequest = await parse(request, P.CompletionRequest)
         check_model(req.model)
@@ -574,7 +609,8 @@ def build_app(
             try:
                 tokens, _ = await asyncio.to_thread(llm._tokenize, req.prompt)  # off the event loop, as above
             except Exception as e:
-                raise P.APIError(f"could not tokenize the prompt: {e}", param="prompt") from None
+                why = _not_unicode([req.prompt]) or str(e)
+                raise P.APIError(f"could not tokenize the prompt: {why}", param="prompt") from None
         else:
             tokens = list(req.prompt)
             vocab = engine.model_config.vocab_size
@@ -667,6 +703,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config,
         kv_cache_blocks=args.kv_cache_blocks,
         max_num_seqs=args.max_num_seqs,
+        num_threads=args.threads,
         **kwargs,
     )
     app = build_app(

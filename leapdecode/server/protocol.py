@@ -3,8 +3,9 @@
 Request models are *lenient about unknown fields* (ignored: OpenAI clients send many optional ones) but
 *strict about the fields they know*: a wrong type or an out-of-range value fails validation, which the server
 turns into a 400 with an OpenAI-style error body. Number fields take JSON numbers only (``"0.5"`` or ``true`` for
-``temperature`` is a 400; ``0`` and ``1`` are fine), ``temperature`` is capped at 2 as in OpenAI's API, and every
-message except an assistant's must have content. Fields the engine cannot honour (``n > 1``, ``logprobs``,
+``temperature`` is a 400; ``0`` and ``1`` are fine; an integer field takes ``4.0`` as 4 but not ``4.5``),
+``temperature`` is capped at 2 as in OpenAI's API, ``stop`` holds at most 64 strings, and every message except an
+assistant's must have content. Fields the engine cannot honour (``n > 1``, ``logprobs``,
 ``echo``, non-zero presence/frequency penalties, ...) are rejected explicitly rather than silently ignored.
 
 Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-decoding counters
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -76,9 +78,24 @@ class APIError(Exception):
 
 # ----------------------------------------------------------------------------------------------- requests
 
+
+def _integral_float_to_int(v: Any) -> Any:
+    # JSON has one number type: 4.0 is the integer 4 to JSON Schema (and so to /openapi.json's "integer") and to
+    # JavaScript clients, whose JSON.stringify cannot tell them apart; 4.5, inf, NaN, "4" and true stay errors
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return v
+
+
+# an integer field: a JSON integer, or a float with no fractional part; never a string or a boolean
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral_float_to_int)]
+
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 2.0  # OpenAI's cap; the engine would take more, but clients must not depend on that
 MIN_TOP_P = 1e-6
+# the engine scans every stop string after every token: 200,000 of them (well within the body limit) cost ~50 ms
+# per token of the one engine thread, stalling every other request; OpenAI allows 4, 64 serves any real use
+MAX_STOP_STRINGS = 64
 
 
 class StreamOptions(BaseModel):
@@ -96,23 +113,23 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    n: StrictInt | None = Field(default=None, ge=1)
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
+    n: JsonInt | None = Field(default=None, ge=1)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: StrictBool | None = False  # null (as OpenAI's API allows) means false
     stream_options: StreamOptions | None = None
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: JsonInt | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
     # extensions (vLLM names)
-    top_k: StrictInt | None = None
+    top_k: JsonInt | None = None
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(default=None, ge=0.01, le=100.0)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[JsonInt] | None = None
     # leapdecode extension: ``false`` opts this request out of speculative decoding
     speculative: StrictBool = True
 
@@ -181,9 +198,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: JsonInt | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -202,10 +219,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     # a string, a list of token ids, or a one-element batch of either
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: StrictStr | list[JsonInt] | list[StrictStr] | list[list[JsonInt]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
+    logprobs: JsonInt | None = None
+    best_of: JsonInt | None = None
     suffix: StrictStr | None = None
 
     @field_validator("prompt")
