@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from leapdecode.kernels.build import load_extension
+
 # record bytes per 16 rows x 32 inputs -> kind (kernels/block_formats.h; layers/block_formats.py describes them)
 RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "q8g", 2432: "q4k", 3392: "q6k"}
 A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
@@ -76,10 +78,8 @@ def load_kernel(required: bool = False):
 
             name = f"leapdecode_small_gemm_{_cpu_tag()}"
             if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
-                print("leapdecode: building the few-row linear kernel (once, ~30 s)", file=sys.stderr, flush=True)
-            from leapdecode.kernels.build import load_extension  # a killed build cannot wedge later runs
-
-            _ext = load_extension(
+                print("leapdecode: building the CPU kernels (once, ~60 s)", file=sys.stderr, flush=True)
+            _ext = load_extension(  # behind an OS lock: a killed build cannot wedge later runs
                 name=name,
                 sources=[str(p) for p in SOURCES],
                 # torch rebuilds when a source or a build flag changes: the header's hash is a flag
