@@ -10,7 +10,9 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the CPU whatever the default device: the tables are computed once, then moved (a model built on the meta
+    # device would otherwise send these ops through torch's reference implementations, ~1 s of imports)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -43,10 +45,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float64)
+        t = torch.arange(max_positions, dtype=torch.float64, device="cpu")
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).double()
+        sign = torch.cat([-torch.ones(head_dim // 2, device="cpu"), torch.ones(head_dim // 2, device="cpu")]).double()
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin_signed", (emb.sin() * sign).float(), persistent=False)
 

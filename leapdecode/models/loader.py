@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 
 from leapdecode.layers.block_formats import SUPPORTED_TYPES, QuantizedWeight
 from leapdecode.layers.linear import shard_tensor
-from leapdecode.layers.rotary import RotaryEmbedding
 from leapdecode.layers.small_gemm import load_kernel
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.gguf_file import GGUFFile
@@ -272,10 +271,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     cfg = ModelConfig.from_hf(hf_cfg)
     with torch.device("meta"):  # parameters are materialised one by one as the checkpoint fills them
         model = LlamaForCausalLM(cfg)
-    # the rope tables are buffers computed in __init__; rebuild them on the real device
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(
-        device
-    )
+    model.rope = model.rope.to(device)  # its tables are computed on the CPU even inside the meta context
     load_weights(model, tensors, dtype, device)
     return model.eval(), cfg
 
