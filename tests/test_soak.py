@@ -21,6 +21,7 @@ def test_short_soak_loses_nothing_and_does_not_grow(tiny_model_dir: Path) -> Non
     assert r.outcomes.get("cancelled-stream cancelled", 0) > 0
     assert r.requests_lost == 0 and r.kv_blocks_in_use_end == 0
     assert r.server_answered_200 == r.server_finished_or_aborted > 50
+    assert len(r.rss_after_warmup_mib) >= 2 and r.rss_after_warmup_mib[0][0] >= 6
     print(f"short soak: {r}")
 
 
@@ -33,5 +34,5 @@ def test_the_checks_catch_leaks_and_losses() -> None:
         "leapdecode_queue_length": 0.0,
     }
     outcomes = Counter({"completion 200": 9, "chat-stream lost: the stream ended without [DONE]": 1})
-    r = report(args, 10.0, 10, outcomes, 100.0, 110.0, metrics)
+    r = report(args, 10.0, 10, outcomes, [(6.0, 100.0), (8.0, 105.0), (10.0, 110.0)], metrics)
     assert not r.ok and len(r.failures) == 4, r.failures  # lost, KV in use, 10 answered vs 9 ended, RSS +10%

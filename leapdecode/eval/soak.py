@@ -48,6 +48,7 @@ class SoakReport:
     rss_warm_mib: float
     rss_end_mib: float
     rss_growth_pct: float
+    rss_after_warmup_mib: list[tuple[float, float]]  # (seconds since the start, MiB): a leak shows as a trend
     kv_blocks_in_use_end: float
     queue_length_end: float
     server_answered_200: float
@@ -97,21 +98,24 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     return proc, m.group(0)
 
 
-def body_for(kind: str, rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
+def body_for(kind: str, rng: random.Random, max_tokens: int, unique: bool = True) -> tuple[str, dict[str, Any]]:
+    """A request of ``kind``; ``unique`` puts a random number in the prompt (new text for the tokenizer and the
+    prefix cache every time), else prompts repeat (prefix-cache hits)."""
     topic = rng.choice(TOPICS)
+    tag = rng.randint(0, 10**6) if unique else 0
     common: dict[str, Any] = {"max_tokens": rng.randint(4, max_tokens), "temperature": rng.choice([0.0, 0.8])}
     if kind.endswith("stream"):
         common["stream"] = True
         common["stream_options"] = {"include_usage": rng.random() < 0.5}
     if kind.startswith("chat"):
-        messages = [{"role": "user", "content": f"Tell me about {topic}. {rng.randint(0, 10**6)}"}]
+        messages = [{"role": "user", "content": f"Tell me about {topic}. {tag}"}]
         return "/v1/chat/completions", {**common, "messages": messages}
-    return "/v1/completions", {**common, "prompt": f"A few words about {topic} ({rng.randint(0, 10**6)}):"}
+    return "/v1/completions", {**common, "prompt": f"A few words about {topic} ({tag}):"}
 
 
-async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, max_tokens: int) -> str:
+async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, args: argparse.Namespace) -> str:
     """Send one request of ``kind``; returns its final status ("200", "400", "cancelled", ...) or "lost: why"."""
-    path, body = body_for(kind, rng, max_tokens)
+    path, body = body_for(kind, rng, args.max_tokens, unique=not args.repeat_prompts)
     try:
         if not kind.endswith("stream"):
             r = await client.post(path, json=body)
@@ -135,28 +139,31 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, 
         return f"lost: {type(e).__name__}: {e}"
 
 
-async def load(base: str, args: argparse.Namespace, on_warm: Any) -> tuple[Counter[str], int]:
-    """Run the workers for ``args.duration`` seconds; ``on_warm()`` is called once after ``args.warmup`` s."""
+async def load(base: str, args: argparse.Namespace, pid: int) -> tuple[Counter[str], int, list[tuple[float, float]]]:
+    """Run the workers for ``args.duration`` seconds. Returns the outcomes, the requests sent, and the server's RSS
+    every ``args.sample_every`` seconds as ``(seconds since the start, MiB)``."""
     outcomes: Counter[str] = Counter()
     sent = 0
+    samples: list[tuple[float, float]] = []
     start = time.monotonic()
-    warm_called = False
     limits = httpx.Limits(max_connections=args.concurrency * 2)
 
     async def worker(seed: int) -> None:
-        nonlocal sent, warm_called
+        nonlocal sent
         rng = random.Random(seed)
         while time.monotonic() - start < args.duration:
-            if not warm_called and time.monotonic() - start >= args.warmup:
-                warm_called = True
-                on_warm()
             kind = rng.choice(KINDS)
             sent += 1
-            outcomes[f"{kind} {await one_request(client, kind, rng, args.max_tokens)}"] += 1
+            outcomes[f"{kind} {await one_request(client, kind, rng, args)}"] += 1
+
+    async def sampler() -> None:
+        while (t := time.monotonic() - start) < args.duration:
+            samples.append((round(t, 1), round(rss_mib(pid), 1)))
+            await asyncio.sleep(args.sample_every)
 
     async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=args.request_timeout, limits=limits) as client:
-        await asyncio.gather(*(worker(args.seed + i) for i in range(args.concurrency)))
-    return outcomes, sent
+        await asyncio.gather(sampler(), *(worker(args.seed + i) for i in range(args.concurrency)))
+    return outcomes, sent, samples
 
 
 def settle(client: httpx.Client, timeout_s: float = 30.0) -> dict[str, float]:
@@ -176,9 +183,8 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         raise ValueError(f"--warmup ({args.warmup}) must be shorter than --duration ({args.duration})")
     proc, base = start_server(args)
     try:
-        rss_warm: list[float] = []
         t0 = time.monotonic()
-        outcomes, sent = asyncio.run(load(base, args, lambda: rss_warm.append(rss_mib(proc.pid))))
+        outcomes, sent, samples = asyncio.run(load(base, args, proc.pid))
         took = time.monotonic() - t0
         with httpx.Client(base_url=base, trust_env=False, timeout=30) as client:
             m = settle(client)
@@ -190,7 +196,8 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
-    return report(args, took, sent, outcomes, rss_warm[0] if rss_warm else rss_end, rss_end, m)
+    warm = [(t, mib) for t, mib in samples if t >= args.warmup] + [(took, rss_end)]
+    return report(args, took, sent, outcomes, warm, m)
 
 
 def report(
@@ -198,10 +205,12 @@ def report(
     took: float,
     sent: int,
     outcomes: Counter[str],
-    rss_warm: float,
-    rss_end: float,
+    rss: list[tuple[float, float]],
     m: dict[str, float],
 ) -> SoakReport:
+    """The report and its failures; ``rss`` is the server's RSS from the end of warm-up to the end, as
+    ``(seconds, MiB)``."""
+    rss_warm, rss_end = rss[0][1], rss[-1][1]
     lost = sum(n for k, n in outcomes.items() if " lost" in k)
     # /health and /metrics also answer 200: only completions count (each one 200 must have ended in the engine)
     answered_200 = sum(
@@ -217,6 +226,7 @@ def report(
         rss_warm_mib=round(rss_warm, 1),
         rss_end_mib=round(rss_end, 1),
         rss_growth_pct=round(growth, 2),
+        rss_after_warmup_mib=rss,
         kv_blocks_in_use_end=m.get("leapdecode_kv_blocks_in_use", -1),
         queue_length_end=m.get("leapdecode_queue_length", -1),
         server_answered_200=answered_200,
@@ -243,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="client workers, each one request at a time")
     p.add_argument("--max-tokens", type=int, default=48, help="max_tokens is drawn from [4, this]")
     p.add_argument("--kv-cache-blocks", type=int, default=256)
+    p.add_argument("--repeat-prompts", action="store_true", help="reuse 16 prompts (default: a new one each time)")
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own choice)")
     p.add_argument("--max-rss-growth", type=float, default=5.0, help="fail above this RSS growth in %% (default 5)")
+    p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -258,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**asdict(r), "ok": r.ok}, indent=2))
     else:
         print(f"soak: {r.requests_sent} requests in {r.duration_s} s; outcomes {r.outcomes}")
-        print(f"  RSS {r.rss_warm_mib} MiB after warm-up -> {r.rss_end_mib} MiB at the end ({r.rss_growth_pct:+.2f}%)")
+        print(f"  RSS {r.rss_warm_mib} MiB after warm-up -> {r.rss_end_mib} MiB at the end ({r.rss_growth_pct:+.2f}%); "
+              f"samples {[mib for _, mib in r.rss_after_warmup_mib]}")
         print(f"  KV blocks in use at the end: {r.kv_blocks_in_use_end:g}; requests lost: {r.requests_lost}")
         print("  OK" if r.ok else "  FAILED: " + "; ".join(r.failures))
     return 0 if r.ok else 1
