@@ -1,4 +1,5 @@
-"""How many CPU threads to compute with, and how they wait, so that a busy neighbour cannot collapse decoding.
+"""How many CPU threads to compute with, and how many to use from one step to the next, so that a busy neighbour
+cannot collapse decoding.
 
 Batch-1 decode is a chain of small parallel regions (one per projection), each ending at a barrier. Two things
 turn a neighbour into a 4-10x slowdown:
@@ -6,13 +7,19 @@ turn a neighbour into a 4-10x slowdown:
 * **more threads than the CPUs the process may use**: torch (through OpenMP) starts one thread per CPU of the
   machine or of the affinity mask, but a container's CPU quota (cgroup ``cpu.max``) is not a mask, so 2 CPUs of
   quota on a 64-CPU host gave 64 threads taking turns at every barrier;
-* **threads that spin at barriers**: OpenMP's default spins ~300,000 rounds before sleeping, so an idle worker
-  holds a CPU the thread everyone is waiting for could have run on, and the step waits for the scheduler.
+* **a thread whose CPU is shared with a busy process**: every region waits at its barrier for the thread the
+  scheduler has just swapped out, for a time slice of milliseconds.
 
 :func:`available_cpus` counts the CPUs actually granted (affinity mask and cgroup quota, v2 or v1);
-:func:`configure` lowers torch's thread count to it (or sets what the user asked for). :func:`set_wait_defaults`
-makes idle threads sleep; it must run before the OpenMP runtime loads, i.e. before ``import torch``, which is why
-``leapdecode/__init__.py`` calls it first. Variables the user set win over ours.
+:func:`configure` lowers torch's thread count to it (or sets what the user asked for). :class:`ThreadTuner`
+then picks, between engine steps, whether all those threads or half of them decode faster right now, by timing
+a step with the other count every so often next to a step of the same size.
+
+Measured with ``python -m leapdecode.eval.contention`` on the 2-vCPU AMD EPYC (Zen 5) of 2026-12-01, a 1.1B
+Q4_K_M model, batch 1, tok/s: OpenMP's default waits (spinning, then sleeping) give 39.4 quiet but 11.2 beside
+one busy process with 2 threads, while 1 thread keeps 21.4 there (it gets the core the neighbour leaves).
+Sleeping waits (``OMP_WAIT_POLICY=PASSIVE``) kept 20.6 beside the neighbour but cost 13% on the quiet machine
+(32.5, a futex wake-up per parallel region), so we leave OpenMP's waits as they are and change the count.
 """
 
 from __future__ import annotations
@@ -21,18 +28,11 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
 CGROUP_V2_MAX = Path("/sys/fs/cgroup/cpu.max")
 CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-# Idle threads sleep at once instead of spinning. Measured with leapdecode.eval.contention on the shared 2-vCPU dev
-# machine (bundled model, 48 tokens, tok/s, two rounds; other people's jobs were running too): beside one busy
-# process, sleeping kept 142 and 147 tok/s where libgomp's default spin (300,000 rounds) gave 99 and 6 and a short spin
-# (10,000 rounds) 10 and 36; with only the background load sleeping kept 121-148 where the spinning settings fell
-# to 10-25 whenever that load was heavy. The price is a futex wake-up per parallel region (a decode step has ~250
-# regions of ~15 us): in a quiet moment the short spin reached 274 tok/s. Even 10,000 rounds outlast the gap
-# between two regions, so a spinning worker never gives its CPU back: no spin count keeps both. Robustness wins;
-# a machine of one's own can ask for spinning (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT), which we leave alone.
-OPENMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 THREADS_HELP = "CPU threads (default: the CPUs this process may use, from its affinity mask and cgroup CPU quota)"
 
 
@@ -67,19 +67,9 @@ def available_cpus() -> int:
     return max(1, n)
 
 
-def set_wait_defaults() -> None:
-    """Sleeping OpenMP waits (see ``OPENMP_WAIT_DEFAULTS``). Effective only before the runtime loads (before
-    ``import torch``); nothing is set when the user chose how threads wait (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    os.environ.update(OPENMP_WAIT_DEFAULTS)
-
-
 def configure(num_threads: int | None = None) -> int:
     """Set torch's intra-op threads: ``num_threads`` when given, else at most :func:`available_cpus` (a lower
     count already set, e.g. by the user or ``OMP_NUM_THREADS``, is kept). Returns the count in effect."""
-    import torch
-
     if num_threads is not None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
@@ -89,3 +79,46 @@ def configure(num_threads: int | None = None) -> int:
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
     return want
+
+
+class ThreadTuner:
+    """Between engine steps, the thread count that runs a step fastest now: ``full`` (all granted CPUs) or
+    ``full // 2``. Every ``explore_every`` steps one step runs with the other count; if it is faster than the step
+    just before it by ``margin``, with the same number of rows, the tuner switches. A quiet machine keeps all its
+    threads (an explored step with half of them is slower); beside a busy process the half that has the CPUs to
+    itself wins, until the neighbour leaves and the full count wins back. Only steps of at most ``max_rows`` rows
+    are tuned: the few-row kernels give bitwise the same result with any thread count (each output is summed by
+    one thread), while larger steps go through torch's GEMM, whose rounding may depend on it; they always run
+    with ``full``."""
+
+    def __init__(self, full: int, max_rows: int, explore_every: int = 32, margin: float = 0.85) -> None:
+        self.full, self.half, self.max_rows = full, max(1, full // 2), max_rows
+        self.explore_every, self.margin = explore_every, margin
+        self.current = full
+        self.steps = 0
+        self.last: tuple[int, int, float] | None = None  # (rows, threads, seconds) of the previous tuned step
+        self.num_switches = 0
+
+    def threads_for(self, rows: int) -> int:
+        """The count to run a step of ``rows`` rows with; sets torch's."""
+        n = self.full
+        if rows <= self.max_rows:
+            self.steps += 1
+            n = self.current
+            if self.steps % self.explore_every == 0:
+                n = self.half if n == self.full else self.full
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def observe(self, rows: int, threads: int, seconds: float) -> None:
+        """Record a step's time; an explored count that beat the step before it becomes the current one."""
+        if rows > self.max_rows:
+            self.last = None
+            return
+        last = self.last
+        if last is not None and last[0] == rows and last[1] == self.current and threads != self.current \
+                and seconds < last[2] * self.margin:
+            self.current = threads
+            self.num_switches += 1
+        self.last = (rows, threads, seconds)

@@ -61,39 +61,52 @@ def test_configure_lowers_to_the_granted_cpus_and_takes_an_explicit_count(monkey
         torch.set_num_threads(before)
 
 
-def test_wait_defaults_never_override_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
-        monkeypatch.delenv(key, raising=False)
-    threads.set_wait_defaults()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    threads.set_wait_defaults()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setenv("GOMP_SPINCOUNT", "7")  # a spin count chosen by the user: no policy on top of it
-    threads.set_wait_defaults()
-    assert "OMP_WAIT_POLICY" not in os.environ and os.environ["GOMP_SPINCOUNT"] == "7"
+def test_thread_tuner_moves_to_the_count_that_runs_faster_and_back() -> None:
+    before = torch.get_num_threads()
+    try:
+        tuner = threads.ThreadTuner(full=2, max_rows=64, explore_every=4, margin=0.85)
+        cost = {2: 1.0, 1: 1.8}  # quiet machine: half the threads is slower
+
+        def run(steps: int, rows: int = 1) -> list[int]:
+            used = []
+            for _ in range(steps):
+                n = tuner.threads_for(rows)
+                assert torch.get_num_threads() == n
+                tuner.observe(rows, n, cost[n])
+                used.append(n)
+            return used
+
+        used = run(16)
+        assert tuner.current == 2 and used.count(1) == 4  # explored every 4th step, never taken
+        cost[2] = 4.0  # a busy neighbour takes one CPU: two threads wait at every barrier
+        run(8)
+        assert tuner.current == 1 and tuner.num_switches == 1
+        cost[2] = 1.0  # the neighbour leaves
+        run(8)
+        assert tuner.current == 2 and tuner.num_switches == 2
+        assert tuner.threads_for(65) == 2  # larger steps (torch GEMM) always run with every thread
+        tuner.current = 1
+        assert tuner.threads_for(200) == 2
+        tuner.observe(5, 1, 0.1)
+        tuner.observe(6, 2, 0.01)  # a step of another size is no comparison
+        assert tuner.current == 1
+    finally:
+        torch.set_num_threads(before)
 
 
-def test_import_sets_the_wait_policy_before_torch_loads() -> None:
-    # the OpenMP runtime reads its settings when torch loads it: leapdecode must set them before importing torch
-    code = (
-        "import os, sys\n"
-        "seen = []\n"
-        "class Watch:\n"  # records the policy in the environment at the moment torch starts to import
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch' and not seen:\n"
-        "            seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, Watch())\n"
-        "import leapdecode\n"
-        "print(seen[0])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "PASSIVE"
+def test_engine_tunes_threads_only_when_the_caller_did_not_choose(tiny_model_dir) -> None:
+    from leapdecode import LLM
+
+    before = torch.get_num_threads()
+    try:
+        chosen = LLM(model=str(tiny_model_dir), kv_cache_blocks=32, num_threads=1)
+        assert chosen.engine.thread_tuner is None
+        if threads.available_cpus() > 1:
+            torch.set_num_threads(threads.available_cpus())  # configure keeps a lower count already set
+            auto = LLM(model=str(tiny_model_dir), kv_cache_blocks=32)
+            assert auto.engine.thread_tuner is not None and auto.engine.thread_tuner.full == auto.engine.num_threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_threads_flag_on_every_model_command() -> None:

@@ -15,6 +15,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.layers import small_gemm
 from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs, sample_from
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.outputs import CompletionOutput, RequestOutput
@@ -33,6 +34,10 @@ class LLMEngine:
         self.device = torch.device(config.device)
         # the CPUs this process was granted (affinity, cgroup quota), or what the caller asked for
         self.num_threads = threads.configure(config.num_threads)
+        # the thread count follows what the machine gives this process, step by step, unless the caller chose one
+        self.thread_tuner = None
+        if config.num_threads is None and self.num_threads > 1 and self.device.type == "cpu":
+            self.thread_tuner = threads.ThreadTuner(self.num_threads, small_gemm.MAX_ROWS)
         if model is None:
             self.model_path = resolve_model(config.model)
             keep_blocks = None if config.linear_kernel in ("auto", "packed", "packed-int8act") else False
@@ -182,7 +187,7 @@ class LLMEngine:
             )
             if drafts:
                 spec.shape_item(seq, items[-1], n)  # candidate trees: RoPE depths + ancestor mask
-        results = self.runner.execute(items)
+        results = self._execute(items)
 
         outputs: list[RequestOutput] = []
         sample_seqs, sample_logits, sample_res = [], [], []
@@ -208,6 +213,18 @@ class LLMEngine:
                 if spec:
                     spec.observe(seq, res)
         return outputs
+
+    def _execute(self, items: list[ForwardItem]):
+        """The target's forward pass for one step, with the thread count the tuner picks for it."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self.runner.execute(items)
+        rows = sum(len(it.tokens) for it in items)
+        n = tuner.threads_for(rows)
+        t0 = time.perf_counter()
+        results = self.runner.execute(items)
+        tuner.observe(rows, n, time.perf_counter() - t0)
+        return results
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         logits = apply_repetition_penalty(

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 WAIT_ENV = {
-    "leapdecode": {},  # leapdecode's own default (threads.OPENMP_WAIT_DEFAULTS), set before it imports torch
+    "leapdecode": {},  # leapdecode's own default: OpenMP's waits, the thread count tuned per step (ThreadTuner)
     "spin": {"GOMP_SPINCOUNT": "300000"},  # what libgomp does when nothing is set
     "short": {"GOMP_SPINCOUNT": "10000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
