@@ -33,6 +33,9 @@ import torch
 CGROUP_V2_MAX = Path("/sys/fs/cgroup/cpu.max")
 CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+# torch's count when leapdecode was imported (OMP_NUM_THREADS or the user's own torch.set_num_threads): engines
+# change torch's count as they run (ThreadTuner), so a later engine must not take that for the user's choice
+INITIAL_THREADS = torch.get_num_threads()
 THREADS_HELP = "CPU threads (default: the CPUs this process may use, from its affinity mask and cgroup CPU quota)"
 
 
@@ -69,13 +72,14 @@ def available_cpus() -> int:
 
 def configure(num_threads: int | None = None) -> int:
     """Set torch's intra-op threads: ``num_threads`` when given, else at most :func:`available_cpus` (a lower
-    count already set, e.g. by the user or ``OMP_NUM_THREADS``, is kept). Returns the count in effect."""
+    count the user chose before importing leapdecode, ``OMP_NUM_THREADS`` or ``torch.set_num_threads``, is kept:
+    ``INITIAL_THREADS``). Returns the count in effect."""
     if num_threads is not None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
         want = num_threads
     else:
-        want = min(torch.get_num_threads(), available_cpus())
+        want = min(INITIAL_THREADS, available_cpus())
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
     return want

@@ -4,8 +4,6 @@ and short OpenMP spins set before torch loads."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,10 +47,11 @@ def test_configure_lowers_to_the_granted_cpus_and_takes_an_explicit_count(monkey
     before = torch.get_num_threads()
     try:
         monkeypatch.setattr(threads, "available_cpus", lambda: 2)
-        torch.set_num_threads(4)
+        monkeypatch.setattr(threads, "INITIAL_THREADS", 4)
+        torch.set_num_threads(1)  # e.g. left by another engine's tuner: not the user's choice
         assert threads.configure() == 2 and torch.get_num_threads() == 2
-        torch.set_num_threads(1)
-        assert threads.configure() == 1  # a lower count already chosen (by the user, OMP_NUM_THREADS) is kept
+        monkeypatch.setattr(threads, "INITIAL_THREADS", 1)
+        assert threads.configure() == 1  # a lower count the user chose before import (OMP_NUM_THREADS) is kept
         assert threads.configure(3) == 3 and torch.get_num_threads() == 3  # explicit: what was asked
         for bad in (0, -1, 1.5, True):
             with pytest.raises(ValueError, match="num_threads"):
@@ -94,7 +93,7 @@ def test_thread_tuner_moves_to_the_count_that_runs_faster_and_back() -> None:
         torch.set_num_threads(before)
 
 
-def test_engine_tunes_threads_only_when_the_caller_did_not_choose(tiny_model_dir) -> None:
+def test_engine_tunes_threads_only_when_the_caller_did_not_choose(tiny_model_dir, monkeypatch) -> None:
     from leapdecode import LLM
 
     before = torch.get_num_threads()
@@ -102,7 +101,7 @@ def test_engine_tunes_threads_only_when_the_caller_did_not_choose(tiny_model_dir
         chosen = LLM(model=str(tiny_model_dir), kv_cache_blocks=32, num_threads=1)
         assert chosen.engine.thread_tuner is None
         if threads.available_cpus() > 1:
-            torch.set_num_threads(threads.available_cpus())  # configure keeps a lower count already set
+            monkeypatch.setattr(threads, "INITIAL_THREADS", threads.available_cpus())  # the suite runs 1 thread
             auto = LLM(model=str(tiny_model_dir), kv_cache_blocks=32)
             assert auto.engine.thread_tuner is not None and auto.engine.thread_tuner.full == auto.engine.num_threads
     finally:

@@ -218,6 +218,8 @@ class LLMEngine:
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
         tuner = self.thread_tuner
         if tuner is None:
+            if torch.get_num_threads() != self.num_threads:  # another engine in this process may have changed it
+                torch.set_num_threads(self.num_threads)
             return self.runner.execute(items)
         rows = sum(len(it.tokens) for it in items)
         n = tuner.threads_for(rows)
