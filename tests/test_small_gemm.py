@@ -105,8 +105,14 @@ def test_a_layer_kept_in_blocks_has_no_float_weight_and_serves_every_row_count()
     assert small_gemm.packed_formats(opted_out) == {"float32": 1}
     x = torch.randn(3, 64)
     assert torch.equal(kept(x), opted_out(x))
-    big = torch.randn(small_gemm.MAX_ROWS + 5, 64)  # beyond the kernel: torch over the rebuilt weight
-    torch.testing.assert_close(kept(big), F.linear(big, ref), rtol=0, atol=0)
+    big = torch.randn(small_gemm.MAX_ROWS * 2 + 5, 64)  # beyond the kernel's limit: 64 rows at a time
+    rows = torch.cat([kept(big[i: i + 1]) for i in range(big.shape[0])])
+    assert torch.equal(kept(big), rows)  # every row as it is decoded alone
+    torch.testing.assert_close(kept(big), F.linear(big, ref), rtol=1e-5, atol=1e-5)
+    float_layer = ColumnParallelLinear(64, [32])
+    float_layer.weight.data.copy_(ref)
+    small_gemm.enable(float_layer)
+    assert torch.equal(float_layer(big), F.linear(big, ref))  # float weights: torch's GEMM for many rows
 
 
 @needs_kernel

@@ -180,6 +180,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y.add_(bias)
 
 
+def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`packed_linear` for any number of rows, ``MAX_ROWS`` at a time: for weights that exist only as block
+    records (a prompt longer than the kernel's row limit), each row's result is the one it gets decoded alone."""
+    x = x.contiguous()
+    return torch.cat([packed_linear(x[i: i + MAX_ROWS], packed, bias) for i in range(0, x.shape[0], MAX_ROWS)])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     """``F.linear`` that takes the packed kernel when :func:`takes_packed` says so."""
     if takes_packed(x, packed):
