@@ -154,6 +154,7 @@ def target_step_costs(llm, context: int, repeats: int = 9):
     from leapdecode.speculative.policy import StepCostModel, scratch_step
 
     eng, bm = llm.engine, llm.engine.block_manager
+    torch.set_num_threads(eng.num_threads)  # every granted thread, whatever a tuner last left (scratch steps bypass it)
     # only sizes whose scratch sequence fits the idle pool: scratch_step skips the others, which would time nothing
     sizes = tuple(n for n in CEILING_ROWS if bm.blocks_needed(context + n) <= bm.num_free_blocks)
     return StepCostModel.calibrate(lambda n: scratch_step(eng.runner, bm, n, context), sizes=sizes,
