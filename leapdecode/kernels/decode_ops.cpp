@@ -11,6 +11,8 @@
 #include <numeric>
 #include <vector>
 
+#include "ops.h"
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
@@ -789,7 +791,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);  // kernels/small_gemm.cpp
 
 // A whole decoder layer for a step whose rows are all few-token rows (decode, drafts, trees): the same kernels
 // the per-op path calls (so results are bitwise equal to it), minus ~10 Python-level calls per layer.

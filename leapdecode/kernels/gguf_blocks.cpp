@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "block_formats.h"
+#include "ops.h"
 
 // ggml's type ids of the formats handled here
 enum GgmlType : int {

@@ -46,7 +46,8 @@ RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "
 A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "gguf_blocks.cpp", KERNELS / "decode_ops.cpp"]  # one build
+SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "int8_gemm.cpp", KERNELS / "gguf_blocks.cpp",
+           KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
 _ext = None
 _error: str | None = None
 
