@@ -173,8 +173,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @dataclass
 class RawBlocks:
-    """A quantized 2-D GGUF tensor's raw blocks [N, row bytes] (a view of the memory-mapped file, or a row-permuted
-    copy), to be repacked into kernel records (layers/block_formats.py) without a float copy."""
+    """A quantized 2-D GGUF tensor's raw blocks [N, row bytes] (a view of the memory-mapped file, read in ``order``),
+    to be repacked into kernel records (layers/block_formats.py) without a float copy."""
 
     type_name: str
     raw: np.ndarray
