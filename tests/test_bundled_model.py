@@ -96,7 +96,7 @@ def test_decoding_reads_the_checkpoints_own_blocks(bundled_llm: LLM) -> None:
     if small_gemm.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernel")
     model = bundled_llm.engine.model
-    assert small_gemm.packed_formats(model) == {"q4": 4 * 30, "q8": 1}
+    assert small_gemm.packed_formats(model) == {"q4h": 4 * 30, "q8": 1}
     assert all(p.numel() < 600 for p in model.parameters())  # only norms are float parameters
 
 

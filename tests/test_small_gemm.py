@@ -55,7 +55,7 @@ def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_rebuild_the_dequantised_weights_exactly(fmt: str) -> None:
     qw, ref = _gguf_blocks(fmt, 48, 96, seed=1)
-    assert qw.kind == ("q8" if fmt == "Q8_0" else "q4")
+    assert qw.kind == ("q8" if fmt == "Q8_0" else "q4h")
     assert torch.equal(qw.dequantize(), ref)
     perm = torch.randperm(48)
     assert torch.equal(qw.select_rows(perm).dequantize(), ref[perm])  # e.g. a drafter's vocabulary subset
@@ -97,7 +97,7 @@ def test_a_layer_kept_in_blocks_has_no_float_weight_and_serves_every_row_count()
     kept = ColumnParallelLinear(64, [32])
     kept.set_quantized(qw)
     assert kept.weight is None and not list(kept.parameters())  # no float copy
-    assert small_gemm.enable(kept) == 1 and small_gemm.packed_formats(kept) == {"q4": 1}
+    assert small_gemm.enable(kept) == 1 and small_gemm.packed_formats(kept) == {"q4h": 1}
     assert kept.packed is qw.records  # the records themselves, not a copy
     opted_out = ColumnParallelLinear(64, [32])
     opted_out.set_quantized(qw)

@@ -6,7 +6,9 @@
 // The weight is rebuilt, per block half h (inputs 0-15, 16-31), as  w = float(code) * scale[h] + minimum[h]:
 //
 //   kind  sources        fields                                                         bytes  scale / minimum
-//   Q4    Q4_0 Q4_1 Q4_K d f32 | m f32 | 16 pairs of nibbles (lo = input 2i, hi = 2i+1)   384  d / m
+//   Q4H   Q4_0 Q4_1      d f16 | m f16 | 16 pairs of nibbles (the file's own fp16 scales)  320  d / m (Q4_0: m = -8 d)
+//   Q4    (Q4_K's int8-activation form; float records of it are Q4K)
+//                        d f32 | m f32 | 16 pairs of nibbles (lo = input 2i, hi = 2i+1)   384  d / m
 //   Q8    Q8_0 Q5_0      d f32 | 32 x int8 code                                           576  d / 0
 //   Q8M   Q5_1 Q5_K      d f32 | m f32 | 32 x uint8 code                                  640  d / m
 //   Q8S   Q6_K Q3_K      d f32 | sc int8 [2] | 32 x int8 code                             608  d * sc[h] / 0
@@ -28,12 +30,34 @@
 #include <cstdint>
 
 enum RecordKind : int {
-  KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5, KIND_Q4K = 6, KIND_Q6K = 7
+  KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5, KIND_Q4K = 6, KIND_Q6K = 7,
+  KIND_Q4H = 8
 };
+
+// an IEEE half's bits -> float, exactly (every half is a float)
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 1024));
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 1023) << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
 
 constexpr int64_t record_bytes(int kind) {
   return kind == KIND_Q4 ? 384 : kind == KIND_Q8 ? 576 : kind == KIND_Q8M ? 640 : kind == KIND_Q8S ? 608
-       : kind == KIND_Q4S ? 448 : kind == KIND_Q8G ? 768 : kind == KIND_Q4K ? 2432 : 3392;
+       : kind == KIND_Q4S ? 448 : kind == KIND_Q8G ? 768 : kind == KIND_Q4K ? 2432 : kind == KIND_Q6K ? 3392 : 320;
 }
 
 // inputs one record covers: a block of 32, or a K-quant super-block of 256
@@ -43,14 +67,16 @@ constexpr int64_t kind_span(int kind) { return kind == KIND_Q4K || kind == KIND_
 constexpr int kind_of_record(int64_t bytes) {
   return bytes == 384 ? KIND_Q4 : bytes == 576 ? KIND_Q8 : bytes == 640 ? KIND_Q8M : bytes == 608 ? KIND_Q8S
        : bytes == 448 ? KIND_Q4S : bytes == 768 ? KIND_Q8G : bytes == 2432 ? KIND_Q4K : bytes == 3392 ? KIND_Q6K
-       : -1;
+       : bytes == 320 ? KIND_Q4H : -1;
 }
 
-constexpr bool kind_nibbles(int kind) { return kind == KIND_Q4 || kind == KIND_Q4S || kind == KIND_Q4K; }
+constexpr bool kind_nibbles(int kind) {
+  return kind == KIND_Q4 || kind == KIND_Q4S || kind == KIND_Q4K || kind == KIND_Q4H;
+}
 constexpr bool kind_unsigned(int kind) { return kind == KIND_Q8M; }  // byte codes 0..255 (the others: int8)
 constexpr int64_t kind_codes_offset(int kind) {
   return kind == KIND_Q4 ? 128 : kind == KIND_Q8 ? 64 : kind == KIND_Q8M ? 128 : kind == KIND_Q8S ? 96
-       : kind == KIND_Q4S ? 192 : kind == KIND_Q4K ? 384 : kind == KIND_Q6K ? 320 : 256;
+       : kind == KIND_Q4S ? 192 : kind == KIND_Q4K ? 384 : kind == KIND_Q6K ? 320 : kind == KIND_Q4H ? 64 : 256;
 }
 
 // Row j's scale and minimum for block half h of sub-block sb of one record, as the kernels and gguf compute them.
@@ -63,6 +89,13 @@ inline void record_scale(int kind, const uint8_t* rec, int sb, int h, int j, flo
   switch (kind) {
     case KIND_Q4: case KIND_Q8M: s = f32(0), m = f32(64); break;
     case KIND_Q8: s = f32(0), m = 0.f; break;
+    case KIND_Q4H: {
+      uint16_t d, mh;
+      __builtin_memcpy(&d, rec + 2 * j, 2);
+      __builtin_memcpy(&mh, rec + 32 + 2 * j, 2);
+      s = half_bits_to_float(d), m = half_bits_to_float(mh);
+      break;
+    }
     case KIND_Q8S: s = f32(0) * float(static_cast<int8_t>(rec[64 + 16 * h + j])), m = 0.f; break;
     case KIND_Q4S: s = f32(0) * float(rec[128 + 16 * h + j]), m = -(f32(64) * float(rec[160 + 16 * h + j])); break;
     case KIND_Q4K: s = f32(0) * float(rec[128 + 16 * sb + j]), m = -(f32(64) * float(rec[256 + 16 * sb + j])); break;

@@ -40,7 +40,7 @@ static bool is_k_quant(int t) { return t >= T_Q2_K && t <= T_Q6_K; }
 
 int64_t natural_kind(int64_t t) {
   switch (t) {
-    case T_Q4_0: case T_Q4_1: return KIND_Q4;
+    case T_Q4_0: case T_Q4_1: return KIND_Q4H;
     case T_Q4_K: return KIND_Q4K;
     case T_Q8_0: case T_Q5_0: return KIND_Q8;
     case T_Q5_1: case T_Q5_K: return KIND_Q8M;
@@ -188,6 +188,11 @@ static void write_record(int kind, const Block32& o, uint8_t* rec, int j, int sb
   switch (kind) {
     case KIND_Q4: case KIND_Q8M: put_f32(rec, 0, j, o.d), put_f32(rec, 64, j, o.m); break;
     case KIND_Q8: put_f32(rec, 0, j, o.d); break;
+    case KIND_Q4H: {  // the file's fp16 scale and minimum (Q4_0's -8 d is exact in fp16 too)
+      const uint16_t d = c10::Half(o.d).x, m = c10::Half(o.m).x;
+      std::memcpy(rec + 2 * j, &d, 2), std::memcpy(rec + 32 + 2 * j, &m, 2);
+      break;
+    }
     case KIND_Q8S:
       put_f32(rec, 0, j, o.d);
       for (int h = 0; h < 2; ++h) rec[64 + 16 * h + j] = uint8_t(static_cast<int8_t>(o.sc[h]));

@@ -106,6 +106,9 @@ struct BlockPanel {
     __m256 s[2], m[2];  // per block half (inputs 0-15, 16-31): scale and minimum of outputs 8 ho .. 8 ho + 7
     if constexpr (KIND == KIND_Q4 || KIND == KIND_Q8M) {
       s[0] = s[1] = f32(0), m[0] = m[1] = f32(64);
+    } else if constexpr (KIND == KIND_Q4H) {
+      s[0] = s[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * ho)));
+      m[0] = m[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * ho)));
     } else if constexpr (KIND == KIND_Q8S) {
       for (int h = 0; h < 2; ++h) s[h] = _mm256_mul_ps(f32(0), i8f(rec + 64 + 16 * h)), m[h] = _mm256_setzero_ps();
     } else if constexpr (KIND == KIND_Q4S) {
@@ -234,6 +237,9 @@ static inline v16f int8s_to_floats(const uint8_t* p) {
 static inline v16f uint8s_to_floats(const uint8_t* p) {
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+static inline v16f halves_to_floats(const uint8_t* p) {
+  return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #else  // portable (slow) fallback: GCC turns byte-vector conversions into scalar code anyway
 static inline void nibbles_to_floats(const uint8_t* p, v16f& lo, v16f& hi) {
   for (int j = 0; j < 16; ++j) lo[j] = float(p[j] & 15), hi[j] = float(p[j] >> 4);
@@ -248,6 +254,15 @@ static inline v16f uint8s_to_floats(const uint8_t* p) {
   for (int j = 0; j < 16; ++j) v[j] = float(p[j]);
   return v;
 }
+static inline v16f halves_to_floats(const uint8_t* p) {
+  v16f v;
+  for (int j = 0; j < 16; ++j) {
+    uint16_t h;
+    __builtin_memcpy(&h, p + 2 * j, 2);
+    v[j] = half_bits_to_float(h);
+  }
+  return v;
+}
 #endif
 
 // One record's scale and minimum for its two block halves (inputs 0-15 and 16-31), as block_formats.h defines them
@@ -260,6 +275,8 @@ static inline void record_header(const uint8_t* rec, int sb, v16f* s, v16f* m) {
   };
   if constexpr (KIND == KIND_Q4 || KIND == KIND_Q8M) {
     s[0] = s[1] = f32(0), m[0] = m[1] = f32(64);
+  } else if constexpr (KIND == KIND_Q4H) {
+    s[0] = s[1] = halves_to_floats(rec), m[0] = m[1] = halves_to_floats(rec + 32);
   } else if constexpr (KIND == KIND_Q8S) {
     for (int h = 0; h < 2; ++h) s[h] = f32(0) * int8s_to_floats(rec + 64 + 16 * h), m[h] = v16f{};
   } else if constexpr (KIND == KIND_Q4S) {
@@ -415,6 +432,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
     case KIND_Q8G: return quant_linear<KIND_Q8G>(x, packed);
     case KIND_Q4K: return quant_linear<KIND_Q4K>(x, packed);
     case KIND_Q6K: return quant_linear<KIND_Q6K>(x, packed);
+    case KIND_Q4H: return quant_linear<KIND_Q4H>(x, packed);
   }
   TORCH_CHECK(false, "packed_linear: unknown packed format of record size ", packed.size(2));
 }

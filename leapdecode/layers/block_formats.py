@@ -30,8 +30,8 @@ GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
 TYPE_IDS = {name: i for i, name in GGML_TYPES.items()}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *TYPE_IDS)
-KINDS = ("q4", "q8", "q8m", "q8s", "q4s", "q8g", "q4k", "q6k")  # block_formats.h RecordKind order
-KIND_OF_TYPE = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4k", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m",
+KINDS = ("q4", "q8", "q8m", "q8s", "q4s", "q8g", "q4k", "q6k", "q4h")  # block_formats.h RecordKind order
+KIND_OF_TYPE = {"Q4_0": "q4h", "Q4_1": "q4h", "Q4_K": "q4k", "Q8_0": "q8", "Q5_0": "q8", "Q5_1": "q8m", "Q5_K": "q8m",
                 "Q6_K": "q6k", "Q3_K": "q8s", "Q2_K": "q4s"}  # fmt: skip
 SPAN = {k: 256 if k in ("q4k", "q6k") else 32 for k in KINDS}  # inputs per record
 KIND_OF_RECORD = small_gemm.RECORD_KINDS
@@ -44,6 +44,7 @@ FIELDS = {
     "q8s": [(torch.float32, 1), (torch.uint8, 2), (torch.uint8, 32)],
     "q4s": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 2), (torch.uint8, 2), (torch.uint8, 16)],
     "q8g": [(torch.float32, 2), (torch.float32, 2), (torch.uint8, 32)],
+    "q4h": [(torch.float16, 1), (torch.float16, 1), (torch.uint8, 16)],
     "q4k": [(torch.float32, 1), (torch.float32, 1), (torch.uint8, 8), (torch.uint8, 8), (torch.uint8, 128)],
     "q6k": [(torch.float32, 1), (torch.uint8, 16), (torch.uint8, 128), (torch.uint8, 64)],
 }
@@ -147,7 +148,7 @@ class QuantizedWeight:
     def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
         """The q4 / q4k / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout, whose blocks
         are 32 inputs with one scale and minimum); None for the others."""
-        if self.kind not in ("q4", "q4k", "q8"):
+        if self.kind not in ("q4", "q4h", "q4k", "q8"):
             return None
         fields = self._row_fields()
         n, k = self.shape
@@ -156,10 +157,11 @@ class QuantizedWeight:
             q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
             scale = (fields[0] * fields[2].float()).reshape(n, k // 32)
             return small_gemm.BlockQuantized("q4", q, scale, -(fields[1] * fields[3].float()).reshape(n, k // 32))
-        if self.kind == "q4":
+        if self.kind in ("q4", "q4h"):
             pairs = fields[2].reshape(n, k // 32, 16)
             q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
-            return small_gemm.BlockQuantized("q4", q, fields[0][..., 0].contiguous(), fields[1][..., 0].contiguous())
+            return small_gemm.BlockQuantized("q4", q, fields[0][..., 0].float().contiguous(),
+                                             fields[1][..., 0].float().contiguous())
         q = fields[1].view(torch.int8).reshape(n, k)
         return small_gemm.BlockQuantized("q8", q.contiguous(), fields[0][..., 0].contiguous())
 
