@@ -9,9 +9,9 @@ those rows. Every path rebuilds bitwise the float32 weights that gguf's own dequ
 *is* the dequantised checkpoint; the int8-activation mode (``linear_kernel="packed-int8act"``) is the one lossy
 option.
 
-Bits per weight in memory (the GGUF type's own in brackets): Q4_0/Q4_1/Q4_K 6 (4.5-5), Q8_0 9 (8.5), Q5_0 9 (5.5),
-Q5_1/Q5_K 10 (5.5-6), Q6_K/Q3_K 9.5 (6.6/3.4), Q2_K 7 (2.6). A fused projection whose parts have different
-kinds (Q4_K_M gives some layers' V a Q6_K beside Q4_K Q and K) takes the general 12-bit kind.
+Bits per weight in memory (the GGUF type's own in brackets): Q4_K 4.75 (4.5), Q4_0/Q4_1 5 (4.5/5), Q6_K 6.6
+(6.56), Q8_0 9 (8.5), Q5_0 9 (5.5), Q5_1/Q5_K 10 (5.5-6), Q3_K 9.5 (3.4), Q2_K 7 (2.6). A fused projection whose
+parts have different kinds (Q4_K_M gives some layers' V a Q6_K beside Q4_K Q and K) takes the general 12-bit kind.
 """
 
 from __future__ import annotations
