@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from leapdecode.layers import small_gemm
-from leapdecode.layers.block_formats import KIND_OF_TYPE, QuantizedWeight
+from leapdecode.layers.block_formats import KIND_OF_TYPE, KINDS, TYPE_IDS, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(small_gemm.load_kernel() is None, reason="CPU kernel unavailable")
 
@@ -110,3 +110,11 @@ def test_int8_activation_records_match_their_q4_or_q8_form(type_name):
     w = qw.dequantize().reshape(n, k // 32, 32)
     err = (bq.dequantize().reshape(n, k // 32, 32) - w).abs()
     assert (err <= w.abs().amax(-1, keepdim=True) * (0.5 + 127 / 2048) / 127 + 1e-7).all()
+
+
+def test_python_and_kernel_agree_on_each_types_record_kind():
+    """The loader plans with KIND_OF_TYPE (``plan`` needs no kernel); the kernel repacks by its own table."""
+    ext = small_gemm.load_kernel()
+    for type_name, kind in KIND_OF_TYPE.items():
+        assert ext.natural_kind(TYPE_IDS[type_name]) == KINDS.index(kind), type_name
+    assert ext.natural_kind(0) == -1  # F32 is no record kind

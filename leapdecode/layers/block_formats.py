@@ -50,6 +50,19 @@ FIELDS = {
 }
 
 
+def fused_kind(types: list[str]) -> str:
+    """The record kind of a weight fused from parts of GGUF types ``types``: their own when they share one, else
+    the general kind, which holds any of them exactly."""
+    kinds = {KIND_OF_TYPE[t] for t in types}
+    return kinds.pop() if len(kinds) == 1 else "q8g"
+
+
+def _nibble_codes(pairs: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes [n, k] in input order from per-row nibble pairs (low nibble = input 2i, high = 2i + 1)."""
+    pairs = pairs.reshape(n, k // 32, 16)
+    return torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
+
+
 def _ext():
     ext = small_gemm.load_kernel()
     if ext is None:
@@ -81,8 +94,7 @@ class QuantizedWeight:
     @staticmethod
     def record_bytes_for(types: list[str], shape: tuple[int, int]) -> int:
         """Bytes of the records of one part [N, K] of a weight fused from parts of GGUF types ``types``."""
-        kinds = {KIND_OF_TYPE[t] for t in types}
-        kind = kinds.pop() if len(kinds) == 1 else "q8g"
+        kind = fused_kind(types)
         return shape[0] // 16 * shape[1] // SPAN[kind] * RECORD_BYTES[kind]
 
     @classmethod
@@ -91,8 +103,7 @@ class QuantizedWeight:
         [N_i, K]) and optionally the order to read its rows in: one part for a plain projection, several for a
         fused one (QKV, gate/up), written straight into one tensor."""
         ext = _ext()
-        kinds = {KIND_OF_TYPE[t] for t, *_ in parts}
-        kind = kinds.pop() if len(kinds) == 1 else "q8g"
+        kind = fused_kind([p[0] for p in parts])
         n, k = sum(p[2][0] for p in parts), parts[0][2][1]
         records = torch.empty(n // 16, k // SPAN[kind], RECORD_BYTES[kind], dtype=torch.uint8)
         row = 0
@@ -153,15 +164,12 @@ class QuantizedWeight:
         fields = self._row_fields()
         n, k = self.shape
         if self.kind == "q4k":  # per sub-block of 32: scale d * sc, minimum -(dmin * mq), as gguf computes them
-            pairs = fields[4].reshape(n, k // 32, 16)
-            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
             scale = (fields[0] * fields[2].float()).reshape(n, k // 32)
-            return small_gemm.BlockQuantized("q4", q, scale, -(fields[1] * fields[3].float()).reshape(n, k // 32))
+            return small_gemm.BlockQuantized("q4", _nibble_codes(fields[4], n, k), scale,
+                                             -(fields[1] * fields[3].float()).reshape(n, k // 32))
         if self.kind in ("q4", "q4h"):
-            pairs = fields[2].reshape(n, k // 32, 16)
-            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)
-            return small_gemm.BlockQuantized("q4", q, fields[0][..., 0].float().contiguous(),
-                                             fields[1][..., 0].float().contiguous())
+            scale, minimum = (f[..., 0].float().contiguous() for f in fields[:2])  # q4h: the file's fp16
+            return small_gemm.BlockQuantized("q4", _nibble_codes(fields[2], n, k), scale, minimum)
         q = fields[1].view(torch.int8).reshape(n, k)
         return small_gemm.BlockQuantized("q8", q.contiguous(), fields[0][..., 0].contiguous())
 
