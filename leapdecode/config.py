@@ -151,6 +151,10 @@ class EngineConfig:
     # lossy against the float32 model (opt-in; quality measured in the README), while speculation stays lossless
     # against plain decoding with the same kernel
     linear_kernel: str = "auto"
+    # tensor parallelism (engine/executor.py): split every layer over this many processes (gloo on a CPU, each
+    # rank on its share of the cores; NCCL on CUDA, one GPU each); the engine starts the other ranks itself, or
+    # joins the group torchrun started
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -200,6 +204,10 @@ class EngineConfig:
                 dev.type == "cpu" and self.dtype == "float32",
                 f"linear_kernel={self.linear_kernel!r} is for CPU float32 models",
             )
+        _check(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -52,6 +52,9 @@ class LLM:
         e.g. to compare decoding methods without loading the model twice."""
         from dataclasses import replace
 
+        if other.config.tensor_parallel_size > 1:
+            raise ValueError("from_engine_of shares one process's weights; with tensor_parallel_size > 1 the shards "
+                             "live in the workers: build another LLM instead")
         cfg = replace(other.config, speculative_config=SpeculativeConfig.from_dict(speculative_config), **overrides)
         llm = cls.__new__(cls)
         llm.config = cfg
@@ -61,6 +64,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     # --------------------------------------------------------------------------------------------- inputs
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:

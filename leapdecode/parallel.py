@@ -1,37 +1,126 @@
-"""Tensor-parallel context.
+"""Tensor-parallel context: the process group, this process's rank and size, and the collectives.
 
-leapdecode runs on one device today, but every linear layer, the embedding and the KV cache are written against
-this rank/size pair so that tensor parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU) lands without
-a rewrite: column-parallel layers own a slice of output rows, row-parallel layers a slice of input columns followed
-by an all-reduce, and each rank caches only its own KV heads.
+Every linear layer, the embedding and the KV cache are written against the rank/size pair read here: column-
+parallel layers own a slice of output rows, row-parallel layers a slice of input columns followed by an
+all-reduce, and each rank caches only its own KV heads. A layer reads the pair once, when it is built, and keeps
+it: a drafter built inside :func:`replicated` is whole on every rank and never joins a collective, while the
+target beside it stays split (docs/tensor_parallel.md). With no process group (the default) the size is 1 and
+every collective is a no-op.
+
+The group is started by ``engine/executor.py`` (the engine's own worker processes) or by ``torchrun`` (the
+environment's ``RANK``/``WORLD_SIZE``; the whole world is the tensor-parallel group). gloo serves a CPU, NCCL a
+GPU. Every collective has the group's timeout, so a rank that stops answering is an error, not a hang.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
+# collectives give up after this long (a dead peer usually fails them at once, when its sockets close)
+DEFAULT_TIMEOUT_S = 60.0
+_replicated_depth = 0
 
-def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-
-def tp_size() -> int:
+def group_size() -> int:
+    """Ranks in the process group (1 without one), whatever :func:`replicated` says."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def tp_rank() -> int:
+    """This process's rank for layers built now (0 inside :func:`replicated`)."""
+    if _replicated_depth or group_size() == 1:
+        return 0
+    return dist.get_rank()
+
+
+def tp_size() -> int:
+    """How many ways layers built now are split (1 inside :func:`replicated`)."""
+    return 1 if _replicated_depth else group_size()
+
+
+@contextmanager
+def replicated() -> Iterator[None]:
+    """Layers built (and checkpoints sharded) inside this block are whole on every rank: drafters that every rank
+    runs in full on the same inputs, so they need no collective."""
+    global _replicated_depth
+    _replicated_depth += 1
+    try:
+        yield
+    finally:
+        _replicated_depth -= 1
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on a CPU, NCCL on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_tensor_parallel(rank: int, size: int, store: dist.Store | None, device: torch.device,
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group as ``rank`` of ``size``: through ``store`` (the engine's own workers) or, with
+    ``store=None``, through torchrun's environment variables."""
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already running in this process")
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else rank % torch.cuda.device_count())
+    if store is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) != size:
+            raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE="
+                             f"{os.environ.get('WORLD_SIZE')} processes; they must be equal")
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
+    """Sum ``x`` over the ranks in place (the caller decides that its layer is split)."""
+    if group_size() > 1:
         dist.all_reduce(x)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() == 1:
+    """Every rank's ``x`` side by side along the last dimension, in rank order."""
+    if group_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    parts = [torch.empty_like(x) for _ in range(group_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def rank0_value(value: float) -> float:
+    """Rank 0's ``value`` on every rank: a measurement (a step's duration) that steers a decision every rank must
+    take alike, such as the speculative cost model's draft length. Every rank must call it at the same point."""
+    if group_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest ``value`` of any rank (e.g. KV blocks, so every rank's pool holds the same blocks)."""
+    if group_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def divide(n: int, d: int, what: str) -> int:

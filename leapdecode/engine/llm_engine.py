@@ -7,10 +7,11 @@ import time
 
 import torch
 
-from leapdecode import threads
-from leapdecode.config import EngineConfig
+from leapdecode import parallel, threads
+from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
+from leapdecode.engine.executor import Executor, start_tensor_parallel
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
@@ -31,12 +32,27 @@ class KVCapacityError(ValueError):
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
         self.config = config
+        # tensor parallelism: rank 0 starts the other ranks here (engine/executor.py); each builds this same engine
+        self.executor: Executor | None = None
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("tensor_parallel_size > 1: every rank loads its own shard, so pass the model by "
+                                 "path, not as a loaded module")
+            self.executor = start_tensor_parallel(config, type(self))
+        try:
+            self._setup(config, model, tokenizer, model_path)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _setup(self, config: EngineConfig, model, tokenizer, model_path) -> None:
         self.device = torch.device(config.device)
         # the CPUs this process was granted (affinity, cgroup quota), or what the caller asked for
         self.num_threads = threads.configure(config.num_threads)
         # the thread count follows what the machine gives this process, step by step, unless the caller chose one
         self.thread_tuner = None
-        if config.num_threads is None and self.num_threads > 1 and self.device.type == "cpu":
+        if config.num_threads is None and self.num_threads > 1 and self.device.type == "cpu" \
+                and parallel.group_size() == 1:  # ranks step in lockstep: each keeps its share of the cores
             self.thread_tuner = threads.ThreadTuner(self.num_threads, small_gemm.MAX_ROWS)
         if model is None:
             self.model_path = resolve_model(config.model)
@@ -61,6 +77,7 @@ class LLMEngine:
             mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
             config.kv_cache_memory_fraction, config.kv_device_layers,
         )
+        num_blocks = parallel.min_over_ranks(num_blocks)  # every rank's scheduler plans over the same blocks
         self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = None
@@ -84,7 +101,8 @@ class LLMEngine:
                       "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(self, config.speculative_config)
+            with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
+                self.speculator = Speculator(self, config.speculative_config)
 
     def pack_linears(self, model, linear_kernel: str | None = None, quantize_q8: bool = False) -> int:
         """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
@@ -141,6 +159,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if self.executor is not None:
+            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
         seq = Sequence(request_id, prompt_token_ids, params, prompt, self.eos_token_ids)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -149,6 +169,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
+        if seq is not None and self.executor is not None:
+            self.executor.queue(("abort", request_id))
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self._finish(seq)
@@ -158,7 +180,41 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that produced tokens or finished."""
+        """Run one engine step; returns an output for every request that produced tokens or finished. Under tensor
+        parallelism the workers step with it; a dead worker raises ``executor.WorkerDiedError``."""
+        ex = self.executor
+        if ex is None:
+            return self._step()
+        ex.start_step()
+        try:
+            outputs = self._step()
+        except RuntimeError as e:  # a collective failed: say which rank went and why
+            raise ex.error(e) from e
+        ex.finish_step(outputs)
+        return outputs
+
+    def set_speculative_config(self, cfg: SpeculativeConfig | dict | None) -> None:
+        """Switch speculative decoding (another method or drafter, or None: plain decoding) without reloading the
+        target; only between requests. Every tensor-parallel rank switches with rank 0."""
+        if self.has_unfinished_requests():
+            raise ValueError("set_speculative_config needs an idle engine: finish or abort the running requests")
+        cfg = SpeculativeConfig.from_dict(cfg)
+        if self.executor is not None:
+            self.executor.apply_now(("speculative", cfg))
+        if self.speculator is not None:
+            for prop in self.speculator.proposers.values():
+                prop.detach()  # e.g. self_spec stops capturing the target's hidden states
+        self.config.speculative_config, self.speculator = cfg, None
+        if cfg is not None:
+            with parallel.replicated():
+                self.speculator = Speculator(self, cfg)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (nothing to do on one rank). Idempotent."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
+
+    def _step(self) -> list[RequestOutput]:
         spec = self.speculator
         sched = self.scheduler.schedule(spec.budget_for if spec else None)
         if not sched.scheduled:

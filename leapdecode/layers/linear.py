@@ -32,6 +32,33 @@ def shard_tensor(full: torch.Tensor, shard_dim: int | None, parts: list[int] | N
     return torch.cat(pieces, dim=shard_dim)
 
 
+def shard_quantized(full: QuantizedWeight, shard_dim: int | None,
+                    parts: list[int] | None = None) -> QuantizedWeight | torch.Tensor:
+    """This rank's piece of a weight kept as kernel records: output rows (each fused part split separately) are
+    a row subset of the records, input columns a run of whole records along each row. Where the piece does not
+    fall on record boundaries (rows in 16s, inputs in 32s or 256s) it is the float piece of the rebuilt weight,
+    which is bitwise the dequantised checkpoint, so the model is the same either way."""
+    if shard_dim is None or tp_size() == 1:
+        return full
+    size, rank = tp_size(), tp_rank()
+    n, k = full.shape
+    if shard_dim == 0:
+        rows, offset = [], 0
+        for part in parts or [n]:
+            m = divide(part, size, "sharded dimension")
+            rows.append(torch.arange(offset + rank * m, offset + (rank + 1) * m))
+            offset += part
+        piece = full.select_rows(torch.cat(rows))
+    else:
+        cols = divide(k, size, "sharded dimension")
+        span = k // full.records.shape[1]
+        piece = None
+        if cols % span == 0:
+            records = full.records[:, rank * cols // span: (rank + 1) * cols // span].contiguous()
+            piece = QuantizedWeight(records, (n, cols), full.source)
+    return piece if piece is not None else shard_tensor(full.dequantize(), shard_dim, parts)
+
+
 def kernel_linear(x: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None, records_only: bool,
                   dense: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``x @ W^T (+ bias)``: the packed kernel for few rows; for more rows, a weight that exists only as block
@@ -100,7 +127,8 @@ class RowParallelLinear(KernelWeight):
             torch.empty(out_features, divide(in_features, tp_size(), "input features")), requires_grad=False
         )
         self.weight.shard_dim, self.weight.shard_parts = 1, None
-        # decided once: a decode step calls this 60 times, and asking torch.distributed each time is not free
+        # decided once, when built: a decode step calls this 60 times, and asking torch.distributed each time is not
+        # free; a layer built inside parallel.replicated() stays whole and never reduces
         self.reduce = tp_size() > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,19 +158,24 @@ class VocabParallelEmbedding(KernelWeight):
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.shard_size = divide(vocab_size, tp_size(), "vocab_size") if tp_size() > 1 else vocab_size
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()  # as built (see parallel.replicated)
+        self.shard_size = divide(vocab_size, self.tp_size, "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.shard_size, dim), requires_grad=False)
         self.weight.shard_dim, self.weight.shard_parts = 0, None
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's shard."""
         if self.quant is not None:
             return self.quant.dequantize(ids).view(*ids.shape, -1).to(ids.device)
-        if tp_size() == 1:
-            return F.embedding(ids, self.weight)
-        lo = tp_rank() * self.shard_size
-        local = ids - lo
+        return F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.lookup(ids)
+        # each token's row lives on one rank; the others add zeros, so the sum is that row exactly
+        local = ids - self.tp_rank * self.shard_size
         inside = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        out = self.lookup(local.clamp(0, self.shard_size - 1)) * inside.unsqueeze(-1)
         return all_reduce(out)
 
 
@@ -153,8 +186,9 @@ class ParallelLMHead(KernelWeight):
     def __init__(self, vocab_size: int, dim: int, tied_to: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
         self.tied_to = tied_to
+        self.gather = tp_size() > 1  # as built (see parallel.replicated)
         if tied_to is None:
-            shard = divide(vocab_size, tp_size(), "vocab_size") if tp_size() > 1 else vocab_size
+            shard = divide(vocab_size, tp_size(), "vocab_size")
             self.weight = nn.Parameter(torch.empty(shard, dim), requires_grad=False)
             self.weight.shard_dim, self.weight.shard_parts = 0, None
 
@@ -163,8 +197,11 @@ class ParallelLMHead(KernelWeight):
         return self.tied_to if self.tied_to is not None else self
 
     def get_weight(self) -> torch.Tensor:
-        return self.owner().dense_weight()
+        """The float32 weight of the whole vocabulary; a split head gathers every rank's rows (a collective:
+        every rank must ask at the same point)."""
+        w = self.owner().dense_weight()
+        return all_gather_last_dim(w.t().contiguous()).t() if self.gather else w
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(kernel_linear(h, self.packed, None, self.owner().quant is not None,
-                                                 self.get_weight))
+        logits = kernel_linear(h, self.packed, None, self.owner().quant is not None, self.owner().dense_weight)
+        return all_gather_last_dim(logits) if self.gather else logits

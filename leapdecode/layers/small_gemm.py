@@ -229,7 +229,7 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
         if mod.packed is None:
             mod.packed = _records_for(mod, int8_activations) if use_blocks else None
             if mod.packed is None:
-                w = mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight()
+                w = (mod.owner() if hasattr(mod, "owner") else mod).dense_weight()  # this rank's rows
                 mod.packed = pack(w) if packable(w) else None
             elif int8_activations and not hasattr(mod, "owner"):
                 mod.quant = mod.block_quantized = None  # the int8 records serve every row count
@@ -315,6 +315,8 @@ def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch
         return None
     owner = lm_head.owner() if hasattr(lm_head, "owner") else lm_head
     quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
+    if getattr(lm_head, "gather", False):  # a split head holds only this rank's rows: pack the gathered weight
+        quant = bq = None
     if quant is not None:
         quant = quant if rows is None else quant.select_rows(rows)
         if quant is not None:

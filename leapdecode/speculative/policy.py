@@ -19,6 +19,7 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.parallel import rank0_value
 from leapdecode.speculative.artifacts import shipped_adapter_for, shipped_dir, shipped_heads_for
 from leapdecode.speculative.state import GammaState
 
@@ -84,7 +85,7 @@ class StepCostModel:
                 t0 = time.perf_counter()
                 run_step(n)
                 ts.append(time.perf_counter() - t0)
-            pts.append((n, median(ts)))
+            pts.append((n, rank0_value(median(ts))))  # tensor-parallel ranks: rank 0's timing, the same plan
         # enforce monotone non-decreasing cost (noise can make a larger step look cheaper)
         fixed, best = [], 0.0
         for n, t in pts:

@@ -18,6 +18,7 @@ from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs
+from leapdecode.parallel import rank0_value
 from leapdecode.speculative.acceptance import (
     verify_greedy,
     verify_sampling,
@@ -167,7 +168,8 @@ class Speculator:
             seqs = [s.seq for s in group]
             t0 = time.perf_counter()
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
-            self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (time.perf_counter() - t0) / len(seqs))
+            took = rank0_value(time.perf_counter() - t0)  # every tensor-parallel rank steers by rank 0's clock
+            self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), took / len(seqs))
             for seq, prop in zip(seqs, props):
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
@@ -213,7 +215,7 @@ class Speculator:
         st.accepted_path = path  # which nodes: a hybrid tells its trunk drafter how much was its own
         prop.on_verified(seq, seq.num_tokens, accepted)
         st.hidden_row = hidden_row
-        self.verify_s = self._ema(self.verify_s, time.perf_counter() - t0)
+        self.verify_s = self._ema(self.verify_s, rank0_value(time.perf_counter() - t0))
         return tokens, accepted
 
     def _generator(self, seq: Sequence) -> torch.Generator:

@@ -21,6 +21,7 @@ import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
+from leapdecode.parallel import rank0_value
 from leapdecode.speculative import tree as T
 from leapdecode.speculative.artifacts import MEDUSA_DIR, check_heads_fit, load_heads
 from leapdecode.speculative.heads import HeadsProposer, MedusaHeads, ranked_candidates
@@ -127,7 +128,7 @@ class MedusaProposer(HeadsProposer):
                 t0 = time.perf_counter()
                 self.candidates(h)
                 ts.append(time.perf_counter() - t0)
-            self._heads_cost[batch] = sorted(ts[1:])[1]
+            self._heads_cost[batch] = rank0_value(sorted(ts[1:])[1])  # one decision on every tensor-parallel rank
         return self._heads_cost[batch]
 
     # ---------------------------------------------------------------------------------------- proposing

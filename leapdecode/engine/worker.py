@@ -1,0 +1,130 @@
+"""A tensor-parallel worker process (rank >= 1), started by ``engine/executor.py``.
+
+It joins the process group, builds the same engine as rank 0 over its own shard, then steps whenever rank 0 says
+so, after applying the request changes rank 0 sent with the order. It exits when rank 0 says stop, when rank 0's
+end of the pipe closes, or (Linux) the moment rank 0's process dies (``PR_SET_PDEATHSIG``); an error is sent to
+rank 0 before exiting, so the engine can say what went wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import traceback
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from leapdecode import parallel
+from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.outputs import RequestOutput
+from leapdecode.sampling_params import SamplingParams
+
+PR_SET_PDEATHSIG = 1
+
+
+class WorkerEngine(Protocol):
+    """What a worker needs of the engine (``LLMEngine``)."""
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> str: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def set_speculative_config(self, cfg: SpeculativeConfig | None) -> None: ...
+
+
+EngineFactory = Callable[[EngineConfig], WorkerEngine]
+
+
+def step_digest(outputs: list[RequestOutput]) -> int:
+    """A checksum of one step's tokens (request ids, token counts, last tokens, finished), equal on every rank that
+    made the same decisions; independent of Python's per-process string hashing."""
+    text = repr([(o.request_id, len(o.outputs[0].token_ids), o.outputs[0].token_ids[-4:], o.finished)
+                 for o in outputs])  # fmt: skip
+    return zlib.crc32(text.encode())
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when its parent (rank 0) dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass  # no prctl: the closed pipe still ends the worker once it next waits for an order
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def run_worker(engine: EngineFactory, rank: int, size: int, port: int, config: EngineConfig, conn: Connection,
+               cpus: set[int], parent_pid: int) -> None:
+    """The worker process's entry point."""
+    die_with_parent(parent_pid)
+    # quiet (rank 0 shows progress), and no multiprocessing lock in tqdm, which the fast exit below would leak
+    os.environ["TQDM_DISABLE"] = "1"
+    tqdm.set_lock(threading.RLock())
+    code = 0
+    try:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        timeout = timedelta(seconds=parallel.DEFAULT_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+        parallel.init_tensor_parallel(rank, size, store, torch.device(config.device))
+        serve(engine(config), conn, rank)
+    except BaseException as e:  # noqa: BLE001 -- reported to rank 0, then the process exits non-zero
+        code = 1
+        traceback.print_exc()
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+    if code == 0:
+        parallel.destroy_tensor_parallel()
+    os._exit(code)  # skip interpreter teardown: a half-torn-down process group can block it
+
+
+def serve(engine: WorkerEngine, conn: Connection, rank: int) -> None:
+    """Step with rank 0 until told to stop (or rank 0 is gone); refuse to run on out of step with it."""
+    digest: int | None = None
+    steps = 0
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return  # rank 0 closed its end: the engine is gone
+        if msg[0] == "stop":
+            return
+        _, commands, rank0_digest = msg
+        if rank0_digest != digest:
+            raise RuntimeError(f"rank {rank} emitted different tokens from rank 0 at step {steps}: the ranks have "
+                               "diverged (a bug: every rank must take the same decisions)")
+        for cmd in commands:
+            apply(engine, cmd)
+        if msg[0] == "step":
+            digest = step_digest(engine.step())
+            steps += 1
+
+
+def apply(engine: WorkerEngine, cmd: tuple) -> None:
+    """One change rank 0 made to its engine, made to this one."""
+    if cmd[0] == "add":
+        engine.add_request(*cmd[1:])
+    elif cmd[0] == "abort":
+        engine.abort_request(cmd[1])
+    elif cmd[0] == "speculative":
+        engine.set_speculative_config(cmd[1])
+    else:
+        raise ValueError(f"unknown command from rank 0: {cmd[0]!r}")
