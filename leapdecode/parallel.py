@@ -23,13 +23,28 @@ import torch
 import torch.distributed as dist
 
 # collectives give up after this long (a dead peer usually fails them at once, when its sockets close)
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = float(os.environ.get("LEAPDECODE_TP_TIMEOUT_S", "60"))
 _replicated_depth = 0
+_solo_depth = 0
 
 
 def group_size() -> int:
-    """Ranks in the process group (1 without one), whatever :func:`replicated` says."""
+    """Ranks in the process group (1 without one, or inside :func:`solo`), whatever :func:`replicated` says."""
+    if _solo_depth:
+        return 1
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextmanager
+def solo() -> Iterator[None]:
+    """Inside this block the process acts as if it had no group: a one-rank engine built and stepped beside a
+    tensor-parallel one in the same process never joins the other's collectives."""
+    global _solo_depth
+    _solo_depth += 1
+    try:
+        yield
+    finally:
+        _solo_depth -= 1
 
 
 def tp_rank() -> int:
@@ -121,6 +136,24 @@ def min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def shard_range(units: int, unit_size: int = 1) -> tuple[int, int]:
+    """(start, length) in elements of this rank's share of ``units`` units of ``unit_size`` elements: as even as
+    the units allow, the first ranks taking one unit more when they do not divide (3 KV heads over 2 ranks: 2 and
+    1), so a model whose head count the rank count does not divide still splits."""
+    size = tp_size()
+    if size > units:
+        raise ValueError(f"cannot split {units} units (heads) over {size} tensor-parallel ranks")
+    base, extra = divmod(units, size)
+    rank = tp_rank()
+    start = rank * base + min(rank, extra)
+    return start * unit_size, (base + (rank < extra)) * unit_size
+
+
+def kv_head_range(num_kv_heads: int) -> tuple[int, int]:
+    """(first KV head, KV heads) of this rank: a rank keeps whole KV heads with their query heads."""
+    return shard_range(num_kv_heads)
 
 
 def divide(n: int, d: int, what: str) -> int:

@@ -38,7 +38,7 @@ from leapdecode.layers.kv_quant import (
     scale_groups,
 )
 from leapdecode.models.config import ModelConfig
-from leapdecode.parallel import divide, tp_size
+from leapdecode.parallel import kv_head_range
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -92,7 +92,7 @@ class KVCache:
         device_layers: int | None = None,
     ) -> None:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.num_kv_heads = divide(cfg.num_key_value_heads, tp_size(), "num_key_value_heads")
+        self.num_kv_heads = kv_head_range(cfg.num_key_value_heads)[1]  # this rank's heads (parallel.py)
         slots = num_blocks * block_size
         n_layers = cfg.num_hidden_layers
         self.device_layers = n_layers if device_layers is None else device_layers
@@ -199,7 +199,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        heads = cfg.num_key_value_heads // tp_size()
+        heads = kv_head_range(cfg.num_key_value_heads)[1]
         return 2 * cfg.num_hidden_layers * block_size * heads * bytes_per_token_head(cfg.head_dim, dtype)
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -39,8 +40,11 @@ class LLMEngine:
                 raise ValueError("tensor_parallel_size > 1: every rank loads its own shard, so pass the model by "
                                  "path, not as a loaded module")
             self.executor = start_tensor_parallel(config, type(self))
+        # a one-rank engine in a process that is also rank 0 of a tensor-parallel group stays out of that group
+        self.solo = config.tensor_parallel_size == 1 and parallel.group_size() > 1
         try:
-            self._setup(config, model, tokenizer, model_path)
+            with self.scope():
+                self._setup(config, model, tokenizer, model_path)
         except BaseException:
             self.shutdown()
             raise
@@ -184,7 +188,8 @@ class LLMEngine:
         parallelism the workers step with it; a dead worker raises ``executor.WorkerDiedError``."""
         ex = self.executor
         if ex is None:
-            return self._step()
+            with self.scope():
+                return self._step()
         ex.start_step()
         try:
             outputs = self._step()
@@ -201,13 +206,24 @@ class LLMEngine:
         cfg = SpeculativeConfig.from_dict(cfg)
         if self.executor is not None:
             self.executor.apply_now(("speculative", cfg))
+        with self.scope():
+            self._set_speculator(cfg)
+
+    def _set_speculator(self, cfg: SpeculativeConfig | None) -> None:
         if self.speculator is not None:
             for prop in self.speculator.proposers.values():
                 prop.detach()  # e.g. self_spec stops capturing the target's hidden states
         self.config.speculative_config, self.speculator = cfg, None
+        # cached prefixes would hold K/V the old drafters saw only partly (no captured hidden states for them), and
+        # the new speculator's timing steps write scratch K/V: start from an empty prefix cache
+        self.block_manager.reset_prefix_cache()
         if cfg is not None:
             with parallel.replicated():
                 self.speculator = Speculator(self, cfg)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The parallel context this engine runs in: ``parallel.solo()`` for a one-rank engine beside a group."""
+        return parallel.solo() if self.solo else contextlib.nullcontext()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the group (nothing to do on one rank). Idempotent."""

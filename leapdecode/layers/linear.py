@@ -18,45 +18,49 @@ from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import QuantizedWeight
 from leapdecode.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
+Ranges = list[tuple[int, int]]
 
-def shard_tensor(full: torch.Tensor, shard_dim: int | None, parts: list[int] | None = None) -> torch.Tensor:
-    """This rank's piece of a full checkpoint tensor (each fused part is split separately)."""
+
+def even_ranges(parts: list[int]) -> Ranges:
+    """This rank's (start, length) in each part when every part divides evenly."""
+    return [(tp_rank() * n, n) for n in (divide(p, tp_size(), "sharded dimension") for p in parts)]
+
+
+def shard_tensor(full: torch.Tensor, shard_dim: int | None, parts: list[int] | None = None,
+                 ranges: Ranges | None = None) -> torch.Tensor:
+    """This rank's piece of a full checkpoint tensor: (start, length) ``ranges`` of each fused part (default: an
+    even split of each)."""
     if shard_dim is None or tp_size() == 1:
         return full
     if parts is None:
         parts = [full.shape[shard_dim]]
-    pieces = []
-    for chunk in torch.split(full, parts, dim=shard_dim):
-        n = divide(chunk.shape[shard_dim], tp_size(), "sharded dimension")
-        pieces.append(chunk.narrow(shard_dim, tp_rank() * n, n))
+    ranges = ranges or even_ranges(parts)
+    pieces = [chunk.narrow(shard_dim, start, n)
+              for chunk, (start, n) in zip(torch.split(full, parts, dim=shard_dim), ranges)]
     return torch.cat(pieces, dim=shard_dim)
 
 
-def shard_quantized(full: QuantizedWeight, shard_dim: int | None,
-                    parts: list[int] | None = None) -> QuantizedWeight | torch.Tensor:
+def shard_quantized(full: QuantizedWeight, shard_dim: int | None, parts: list[int] | None = None,
+                    ranges: Ranges | None = None) -> QuantizedWeight | torch.Tensor:
     """This rank's piece of a weight kept as kernel records: output rows (each fused part split separately) are
     a row subset of the records, input columns a run of whole records along each row. Where the piece does not
     fall on record boundaries (rows in 16s, inputs in 32s or 256s) it is the float piece of the rebuilt weight,
     which is bitwise the dequantised checkpoint, so the model is the same either way."""
     if shard_dim is None or tp_size() == 1:
         return full
-    size, rank = tp_size(), tp_rank()
     n, k = full.shape
+    parts = parts or [full.shape[shard_dim]]
+    ranges = ranges or even_ranges(parts)
     if shard_dim == 0:
-        rows, offset = [], 0
-        for part in parts or [n]:
-            m = divide(part, size, "sharded dimension")
-            rows.append(torch.arange(offset + rank * m, offset + (rank + 1) * m))
-            offset += part
-        piece = full.select_rows(torch.cat(rows))
+        offsets = [sum(parts[:i]) for i in range(len(parts))]
+        piece = full.select_rows(torch.cat([torch.arange(o + s, o + s + m) for o, (s, m) in zip(offsets, ranges)]))
     else:
-        cols = divide(k, size, "sharded dimension")
-        span = k // full.records.shape[1]
+        (start, cols), span = ranges[0], k // full.records.shape[1]
         piece = None
-        if cols % span == 0:
-            records = full.records[:, rank * cols // span: (rank + 1) * cols // span].contiguous()
+        if start % span == 0 and cols % span == 0:
+            records = full.records[:, start // span: (start + cols) // span].contiguous()
             piece = QuantizedWeight(records, (n, cols), full.source)
-    return piece if piece is not None else shard_tensor(full.dequantize(), shard_dim, parts)
+    return piece if piece is not None else shard_tensor(full.dequantize(), shard_dim, parts, ranges)
 
 
 def kernel_linear(x: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None, records_only: bool,
@@ -104,15 +108,18 @@ class KernelWeight(nn.Module):
 class ColumnParallelLinear(KernelWeight):
     """y = x W^T (+ b), with W's output rows split across ranks; the output stays sharded."""
 
-    def __init__(self, in_features: int, out_parts: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_parts: list[int], bias: bool = False,
+                 ranges: Ranges | None = None) -> None:
+        """``ranges``: this rank's (start, length) in each part (default: an even split of each)."""
         super().__init__()
-        self.out_parts = [divide(p, tp_size(), "output features") for p in out_parts]
+        ranges = ranges or even_ranges(out_parts)
+        self.out_parts = [n for _, n in ranges]
         self.weight = nn.Parameter(torch.empty(sum(self.out_parts), in_features), requires_grad=False)
-        self.weight.shard_dim, self.weight.shard_parts = 0, list(out_parts)
+        self.weight.shard_dim, self.weight.shard_parts, self.weight.shard_ranges = 0, list(out_parts), ranges
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(self.out_parts)), requires_grad=False)
-            self.bias.shard_dim, self.bias.shard_parts = 0, list(out_parts)
+            self.bias.shard_dim, self.bias.shard_parts, self.bias.shard_ranges = 0, list(out_parts), ranges
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -121,12 +128,12 @@ class ColumnParallelLinear(KernelWeight):
 class RowParallelLinear(KernelWeight):
     """y = x W^T with W's input columns split across ranks, then summed over ranks."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, in_range: tuple[int, int] | None = None) -> None:
+        """``in_range``: this rank's (start, length) of the inputs (default: an even split)."""
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, divide(in_features, tp_size(), "input features")), requires_grad=False
-        )
-        self.weight.shard_dim, self.weight.shard_parts = 1, None
+        in_range = in_range or even_ranges([in_features])[0]
+        self.weight = nn.Parameter(torch.empty(out_features, in_range[1]), requires_grad=False)
+        self.weight.shard_dim, self.weight.shard_parts, self.weight.shard_ranges = 1, None, [in_range]
         # decided once, when built: a decode step calls this 60 times, and asking torch.distributed each time is not
         # free; a layer built inside parallel.replicated() stays whole and never reduces
         self.reduce = tp_size() > 1

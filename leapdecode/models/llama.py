@@ -21,7 +21,7 @@ from leapdecode.layers.linear import (
 )
 from leapdecode.layers.rotary import RotaryEmbedding, rotate
 from leapdecode.models.config import ModelConfig
-from leapdecode.parallel import divide, tp_size
+from leapdecode.parallel import divide, kv_head_range, tp_size
 
 
 class RMSNorm(nn.Module):
@@ -42,17 +42,19 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.head_dim
-        self.num_heads = divide(cfg.num_attention_heads, tp_size(), "num_attention_heads")
-        self.num_kv_heads = divide(cfg.num_key_value_heads, tp_size(), "num_key_value_heads")
+        group = divide(cfg.num_attention_heads, cfg.num_key_value_heads, "num_attention_heads / KV heads")
+        first_kv, self.num_kv_heads = kv_head_range(cfg.num_key_value_heads)  # whole KV heads per rank
+        self.num_heads = self.num_kv_heads * group
         self.head_dim = d
         self.scale = d**-0.5
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        q_range, kv_range = (first_kv * group * d, self.q_size), (first_kv * d, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
-            bias=cfg.attention_bias,
+            bias=cfg.attention_bias, ranges=[q_range, kv_range, kv_range],
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, in_range=q_range)
         self.use_kernel = False  # set by small_gemm.enable: C++ RoPE and attention for few-token rows
 
     def forward(

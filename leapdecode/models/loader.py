@@ -360,8 +360,9 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]],
         owner, _, leaf = target.rpartition(".")
         mod = model.get_submodule(owner)
         shard_dim, parts = getattr(p, "shard_dim", None), getattr(p, "shard_parts", None)
+        ranges = getattr(p, "shard_ranges", None)
         # this rank's piece: records, or float where the piece would split a record
-        piece = (shard_quantized if isinstance(full, QuantizedWeight) else shard_tensor)(full, shard_dim, parts)
+        piece = (shard_quantized if isinstance(full, QuantizedWeight) else shard_tensor)(full, shard_dim, parts, ranges)
         if isinstance(piece, QuantizedWeight):
             if tuple(piece.shape) != tuple(p.shape):
                 raise ValueError(f"checkpoint tensor for {target} has shape {piece.shape}, model expects "
@@ -373,7 +374,7 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]],
                     f"checkpoint tensor for {target} has shape {tuple(piece.shape)}, model expects {tuple(p.shape)}"
                 )
             new = torch.nn.Parameter(piece.to(device=device, dtype=dtype), requires_grad=False)
-            new.shard_dim, new.shard_parts = shard_dim, parts
+            new.shard_dim, new.shard_parts, new.shard_ranges = shard_dim, parts, ranges
             setattr(mod, leaf, new)
         loaded.add(target)
 

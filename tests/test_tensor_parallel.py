@@ -1,0 +1,139 @@
+"""Tensor parallelism with real 2-rank gloo groups on the CPU (engine/executor.py, engine/worker.py, parallel.py).
+
+Each engine here starts one worker process (rank 1) and joins it in a gloo group; the engines are shared by the
+tests of this module and shut down at its end. Greedy tokens must equal one rank's: the row-parallel layers sum
+their two halves in another order than one rank does, which moves logits by float rounding only, and on these
+prompts no near-tie is close enough to flip (a flip would show as a different token here, and would be that cause).
+Speculative decoding under 2 ranks must give exactly the tokens of plain decoding under 2 ranks (same numerics).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.engine.executor import WorkerDiedError
+from leapdecode.parallel import group_size
+from tests.conftest import SPEC_PROMPTS
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # > 64 tokens: the prefill path through torch's GEMM
+
+
+def tokens(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tp_tiny(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=128, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_tiny_greedy_matches_one_rank(tp_tiny, tiny_llm):
+    prompts = [*SPEC_PROMPTS, LONG_PROMPT]
+    assert tokens(tp_tiny, prompts) == tokens(tiny_llm, prompts)
+    assert group_size() == 2  # rank 0 is this process
+    w = tp_tiny.engine.model.layers[0].self_attn
+    assert (w.num_heads, w.num_kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over the ranks
+
+
+def test_tiny_ngram_lossless_and_requests_follow(tp_tiny):
+    plain = tokens(tp_tiny, SPEC_PROMPTS)
+    tp_tiny.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "use_cost_model": False})
+    try:
+        before = tp_tiny.engine.stats["num_draft_tokens"]
+        assert tokens(tp_tiny, SPEC_PROMPTS) == plain
+        assert tp_tiny.engine.stats["num_draft_tokens"] > before
+        # a request aborted on rank 0 is aborted on the worker too: the next step still agrees (digest check)
+        rid = tp_tiny.engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0))
+        tp_tiny.engine.step()
+        tp_tiny.engine.abort_request(rid)
+        assert tokens(tp_tiny, SPEC_PROMPTS[:1]) == plain[:1]
+    finally:
+        tp_tiny.engine.set_speculative_config(None)
+
+
+def test_killed_worker_is_an_error_within_seconds(tp_tiny):
+    """Last user of ``tp_tiny``: kill rank 1 in the middle of a request."""
+    engine = tp_tiny.engine
+    worker = engine.executor.procs[0]
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0))
+    engine.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 .*SIGKILL"):
+        for _ in range(10_000):
+            engine.step()
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(WorkerDiedError):  # the engine stays stopped
+        engine.step()
+    tp_tiny.shutdown()
+    assert not alive(worker.pid) and group_size() == 1
+
+
+def test_workers_die_with_rank0(tiny_model_dir, tmp_path: Path):
+    """Rank 0 killed without a shutdown: its workers do not outlive it."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        from leapdecode import LLM, SamplingParams
+        llm = LLM(model={str(tiny_model_dir)!r}, kv_cache_blocks=32, tensor_parallel_size=2)
+        llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        print(llm.engine.executor.procs[0].pid, flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+@pytest.fixture(scope="module")
+def tp_bundled():
+    llm = LLM(kv_cache_blocks=256, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_bundled_greedy_matches_one_rank(tp_bundled, bundled_llm):
+    """The bundled model: 9 heads / 3 KV heads split 6+3 / 2+1, its Q4_1 blocks split by rows and record runs."""
+    assert tokens(tp_bundled, SPEC_PROMPTS) == tokens(bundled_llm, SPEC_PROMPTS)
+    attn = tp_bundled.engine.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (6, 2)
+    assert attn.qkv_proj.quant is not None and attn.o_proj.quant is not None  # still records, not float
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["self_spec", "draft_model", "eagle", "medusa", "blockwise", "hybrid"])
+def test_bundled_speculation_lossless(tp_bundled, method):
+    prompts = SPEC_PROMPTS[:2]
+    engine = tp_bundled.engine
+    engine.set_speculative_config(None)
+    plain = tokens(tp_bundled, prompts)
+    engine.set_speculative_config({"method": method, "use_cost_model": False})
+    try:
+        before = engine.stats["num_draft_tokens"]
+        assert tokens(tp_bundled, prompts) == plain
+        assert engine.stats["num_draft_tokens"] > before  # the drafter really drafted
+    finally:
+        engine.set_speculative_config(None)
