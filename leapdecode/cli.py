@@ -22,6 +22,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    add_tensor_parallel_arg(p)
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes (gloo on a CPU, each on 1/N of the cores; NCCL on CUDA); "
+                        "see docs/tensor_parallel.md")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -39,7 +46,7 @@ def make_llm(args: argparse.Namespace):
     from leapdecode import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-               num_threads=args.threads)
+               num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def make_params(args: argparse.Namespace):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +60,10 @@ class MemoryPlan:
     max_context_at_batch: int  # longest context (whole blocks) `batch` sequences can each have
     fits: bool  # weights + batch sequences of `context` tokens fit in memory
     kv_cache_blocks: int  # the LLM(kv_cache_blocks=...) value that holds `batch` full sequences
+    tensor_parallel_size: int = 1
+    weight_bytes_per_rank: int = 0  # the largest rank's share: split matrices / N, plus the replicated norms
+    kv_heads_per_rank: int = 0  # the largest rank's KV heads (the first ranks take one more when N does not divide)
+    kv_bytes_per_token_per_rank: int = 0
 
 
 def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
@@ -84,6 +89,7 @@ def make_plan(
     memory_bytes: int | None = None,
     model_name: str = "",
     weight_bytes: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> MemoryPlan:
     """Count weight and KV bytes for ``batch`` sequences of ``context`` tokens; see the module docstring.
     ``weight_bytes`` (a GGUF file's kept blocks, :func:`leapdecode.models.loader.kept_weight_bytes`) replaces
@@ -106,6 +112,15 @@ def make_plan(
     per_token = kv_bytes_per_token(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, KV_DTYPES[kv_name]
     )
+    tp = tensor_parallel_size
+    _check_split(cfg, tp)
+    replicated = 4 * cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)  # the float32 RMSNorm weights
+    rank_heads = -(-cfg.num_key_value_heads // tp)
+    # attention matrices split by whole KV heads (the largest rank's share), the rest (MLP, vocabulary) evenly
+    attn = cfg.num_hidden_layers * cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_attention_heads
+                                                                          + cfg.num_key_value_heads)
+    share = (attn / n_params) * rank_heads / cfg.num_key_value_heads + (1 - attn / n_params) / tp
+    rank_weights = math.ceil(max(0, weight_bytes - replicated) * share) + replicated
     blocks = -(-context // block_size)
     per_seq = blocks * block_size * per_token
     budget = max(0, memory_bytes - weight_bytes)
@@ -131,7 +146,23 @@ def make_plan(
         max_context_at_batch=(budget // (batch * per_block)) * block_size,
         fits=weight_bytes + batch * per_seq <= memory_bytes,
         kv_cache_blocks=batch * blocks,
+        tensor_parallel_size=tp,
+        weight_bytes_per_rank=rank_weights if tp > 1 else weight_bytes,
+        kv_heads_per_rank=rank_heads,
+        kv_bytes_per_token_per_rank=kv_bytes_per_token(cfg.num_hidden_layers, rank_heads, cfg.head_dim,
+                                                       KV_DTYPES[kv_name]),
     )
+
+
+def _check_split(cfg: ModelConfig, tp: int) -> None:
+    """The splits the engine makes must exist: whole KV heads per rank, an even vocabulary and MLP."""
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if tp > cfg.num_key_value_heads:
+        raise ValueError(f"{cfg.num_key_value_heads} KV heads cannot be split over {tp} ranks")
+    for what, n in (("vocab_size", cfg.vocab_size), ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by --tensor-parallel-size {tp}")
 
 
 def _fmt(n: int) -> str:
@@ -163,6 +194,12 @@ def format_plan(p: MemoryPlan, cfg: ModelConfig) -> str:
         + (f", kv_cache_dtype={p.kv_dtype!r}" if p.kv_dtype != p.weight_dtype else "")
         + f") holds {p.batch} full sequence(s)",
     ]
+    if p.tensor_parallel_size > 1:
+        lines.append(
+            f"per rank (of {p.tensor_parallel_size}) weights {_fmt(p.weight_bytes_per_rank)} "
+            f"({p.weight_bytes_per_rank:,} B), KV {_fmt(p.kv_bytes_per_token_per_rank)} per token "
+            f"({p.kv_heads_per_rank} KV heads); the ranks of one machine share its memory, so the totals above hold"
+        )
     if p.context > cfg.max_position_embeddings:
         lines.append(
             f"warning          context {p.context:,} exceeds the model's "
@@ -189,6 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory_bytes=memory,
         model_name=name,
         weight_bytes=kept,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if kept is not None:
         p.weight_dtype = "GGUF blocks"
@@ -232,5 +270,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="memory budget in GiB (default: this machine's available RAM)",
     )
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="also show each rank's share of weights and KV when the model is split over N processes")
     p.add_argument("--json", action="store_true", help="print one JSON object with exact byte counts")
     p.set_defaults(func=cmd_plan)

@@ -137,3 +137,20 @@ def test_bundled_speculation_lossless(tp_bundled, method):
         assert engine.stats["num_draft_tokens"] > before  # the drafter really drafted
     finally:
         engine.set_speculative_config(None)
+
+
+def test_plan_divides_weights_and_kv_per_rank():
+    from leapdecode.models.config import ModelConfig
+    from leapdecode.plan import make_plan
+    from tests.test_plan import LLAMA_7B, SMOLLM2_135M
+
+    cfg = ModelConfig.from_hf(LLAMA_7B)  # 32 heads, 32 KV heads: an even split
+    one, two = (make_plan(cfg, 4096, memory_bytes=1 << 40, tensor_parallel_size=n) for n in (1, 2))
+    assert two.kv_bytes_per_token_per_rank * 2 == one.kv_bytes_per_token == two.kv_bytes_per_token
+    norms = 4 * cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)
+    assert abs(two.weight_bytes_per_rank - ((one.weight_bytes - norms) / 2 + norms)) <= 1
+    smol = ModelConfig.from_hf(SMOLLM2_135M)  # 3 KV heads over 2 ranks: 2 + 1
+    p = make_plan(smol, 2048, memory_bytes=1 << 40, tensor_parallel_size=2)
+    assert p.kv_heads_per_rank == 2 and p.kv_bytes_per_token_per_rank * 3 == p.kv_bytes_per_token * 2
+    with pytest.raises(ValueError, match="3 KV heads cannot be split over 4"):
+        make_plan(smol, 2048, memory_bytes=1 << 40, tensor_parallel_size=4)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.prompts import load_prompt_set
 from leapdecode.bench.rows import Row, median
+from leapdecode.cli import add_tensor_parallel_arg
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.threads import THREADS_HELP
 
@@ -295,8 +296,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else args.command_line
     kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
     t_load = time.perf_counter()
+    if args.tensor_parallel_size > 1 and (methods != ["none"] or len(kernels) > 1):
+        raise ValueError("--tensor-parallel-size > 1 benchmarks plain decoding with one kernel (--methods none): "
+                         "the other rows share the first engine's weights, which live in its worker processes")
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
-               linear_kernel=kernels[0], num_threads=args.threads)
+               linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
     load_s = time.perf_counter() - t_load
     eng = base.engine
     tok = eng.tokenizer
@@ -455,6 +459,7 @@ def add_cli(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (also llama.cpp's with --compare)")
+    add_tensor_parallel_arg(p)
     p.add_argument("--prompts", default="mt_bench",
                    help="mt_bench (default), grounded (summaries/extraction over WikiText passages), or a "
                    "question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")

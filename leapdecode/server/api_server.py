@@ -704,6 +704,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_blocks=args.kv_cache_blocks,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         **kwargs,
     )
     app = build_app(
