@@ -89,6 +89,7 @@ def test_killed_worker_is_an_error_within_seconds(tp_tiny):
     assert not alive(worker.pid) and group_size() == 1
 
 
+@pytest.mark.slow  # a second Python process that loads an engine
 def test_workers_die_with_rank0(tiny_model_dir, tmp_path: Path):
     """Rank 0 killed without a shutdown: its workers do not outlive it."""
     script = textwrap.dedent(f"""

@@ -104,8 +104,9 @@ class Executor:
         atexit.register(self._finalizer)
         self._watchdog = threading.Thread(target=self._watch, name="leapdecode-tp-watchdog", daemon=True)
         self._watchdog.start()
-        if shares[0] and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, shares[0])  # this rank's share; the workers took theirs at start
+        self.own_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        if shares[0] and self.own_cpus:
+            os.sched_setaffinity(0, shares[0])  # this rank's share (given back at shutdown); workers take theirs
         try:
             parallel.init_tensor_parallel(0, size, self.store, device)
         except Exception as e:
@@ -147,8 +148,16 @@ class Executor:
             for p in self.procs:  # a collective failed before the watchdog saw the exit: give it a moment
                 p.join(timeout=2.0)
             self._watchdog.join(timeout=1.0)
-        text = self.failure or f"tensor-parallel group failed: {cause}"
-        return WorkerDiedError(f"{text}; the engine has stopped (start a new one)")
+        if self.failure is None:
+            self.fail(f"tensor-parallel group failed: {cause}")
+        return WorkerDiedError(f"{self.failure}; the engine has stopped (start a new one)")
+
+    def fail(self, text: str) -> None:
+        """Record why the group cannot go on (the first reason wins) and stop the workers."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = text
+        _reap(self.procs, self.conns, grace_s=0.0)
 
     def check(self) -> None:
         if self.failure is not None:
@@ -197,6 +206,8 @@ class Executor:
         _reap(self.procs, self.conns, grace_s=5.0)
         parallel.destroy_tensor_parallel()
         self._finalizer.detach()
+        if self.own_cpus:
+            os.sched_setaffinity(0, self.own_cpus)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -195,6 +195,9 @@ class LLMEngine:
             outputs = self._step()
         except RuntimeError as e:  # a collective failed: say which rank went and why
             raise ex.error(e) from e
+        except BaseException as e:  # the ranks may now be in different collectives: the group cannot go on
+            ex.fail(f"rank 0 stopped in the middle of a step ({type(e).__name__}: {e})")
+            raise
         ex.finish_step(outputs)
         return outputs
 
