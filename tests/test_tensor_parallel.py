@@ -55,7 +55,9 @@ def test_tiny_greedy_matches_one_rank(tp_tiny, tiny_llm):
     assert (w.num_heads, w.num_kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over the ranks
 
 
-def test_tiny_ngram_lossless_and_requests_follow(tp_tiny):
+def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir):
+    with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
+        LLM(model=str(tiny_model_dir), kv_cache_blocks=16, tensor_parallel_size=2)
     plain = tokens(tp_tiny, SPEC_PROMPTS)
     tp_tiny.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "use_cost_model": False})
     try:
@@ -67,6 +69,10 @@ def test_tiny_ngram_lossless_and_requests_follow(tp_tiny):
         tp_tiny.engine.step()
         tp_tiny.engine.abort_request(rid)
         assert tokens(tp_tiny, SPEC_PROMPTS[:1]) == plain[:1]
+        # sampled drafts (rejection sampling): every rank must draw alike, or the per-step checksum stops the worker
+        sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
+        assert len(tokens(tp_tiny, SPEC_PROMPTS, sampled)[0]) == 24
+        assert tokens(tp_tiny, SPEC_PROMPTS[:1], GREEDY) == plain[:1]  # and the group still runs
     finally:
         tp_tiny.engine.set_speculative_config(None)
 

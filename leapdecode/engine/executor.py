@@ -65,6 +65,9 @@ def start_tensor_parallel(config: EngineConfig, engine: EngineFactory) -> Execut
     if have > 1:
         if have != size:
             raise ValueError(f"tensor_parallel_size={size} but this process is in a group of {have}")
+        if parallel.tp_rank() == 0 and not parallel.launched_by_torchrun():
+            raise ValueError("this process already runs a tensor-parallel engine: shut it down (LLM.shutdown()) "
+                             "before starting another")
         return None
     if parallel.launched_by_torchrun():
         parallel.init_tensor_parallel(int(os.environ["RANK"]), size, None, device)
@@ -100,9 +103,12 @@ class Executor:
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns)
+        # an engine dropped without shutdown(): the workers are reaped and the group left when it is collected (the
+        # watchdog holds only a weak reference), or at interpreter exit
+        self._finalizer = weakref.finalize(self, _close, self.procs, self.conns)
         atexit.register(self._finalizer)
-        self._watchdog = threading.Thread(target=self._watch, name="leapdecode-tp-watchdog", daemon=True)
+        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), list(self.procs)),
+                                          name="leapdecode-tp-watchdog", daemon=True)
         self._watchdog.start()
         self.own_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         if shares[0] and self.own_cpus:
@@ -114,21 +120,14 @@ class Executor:
             raise self.error(e) from e
 
     # ----------------------------------------------------------------------------------------- failure
-    def _watch(self) -> None:
-        """Wait for any worker to exit; if the engine did not ask it to, record why and stop the others."""
-        alive = {p.sentinel: p for p in self.procs}
-        while alive:
-            for s in wait(list(alive)):
-                proc = alive.pop(s)  # type: ignore[call-overload]
-                if self.closed:
-                    continue
-                rank = self.procs.index(proc) + 1
-                proc.join(timeout=1.0)  # reaped, so its exit code is known
-                with self._lock:
-                    if self.failure is None:
-                        self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with "
-                                        f"{_describe_exit(proc.exitcode)}{self._worker_error(rank)}")
-                _reap(self.procs, self.conns, grace_s=0.0)  # the others cannot go on without it
+    def worker_exited(self, rank: int) -> None:
+        """The watchdog saw rank ``rank`` exit: unless the engine asked it to, record why and stop the others."""
+        if self.closed:
+            return
+        proc = self.procs[rank - 1]
+        proc.join(timeout=1.0)  # reaped, so its exit code is known
+        self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with "
+                  f"{_describe_exit(proc.exitcode)}{self._worker_error(rank)}")
 
     def _worker_error(self, rank: int) -> str:
         """The error text a worker sent before exiting, if any."""
@@ -208,6 +207,25 @@ class Executor:
         self._finalizer.detach()
         if self.own_cpus:
             os.sched_setaffinity(0, self.own_cpus)
+
+
+def _watch(ref: weakref.ReferenceType[Executor], procs: list[Any]) -> None:
+    """The watchdog thread: wait on the workers' sentinels and tell the executor (while it exists) who exited."""
+    alive = {p.sentinel: rank for rank, p in enumerate(procs, start=1)}
+    while alive:
+        for s in wait(list(alive)):
+            rank = alive.pop(s)  # type: ignore[call-overload]
+            ex = ref()
+            if ex is None:
+                return
+            ex.worker_exited(rank)
+            del ex
+
+
+def _close(procs: list[Any], conns: list[Connection]) -> None:
+    """Finalizer of an executor never shut down: reap its workers and leave the group."""
+    _reap(procs, conns, grace_s=0.0)
+    parallel.destroy_tensor_parallel()
 
 
 def _describe_exit(code: int | None) -> str:
