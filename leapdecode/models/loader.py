@@ -337,7 +337,7 @@ def kept_weight_bytes(path: Path) -> int:
     total = 0
     for parts in groups.values():
         if all(QuantizedWeight.supported(kind, shape) for kind, shape in parts):
-            total += sum(QuantizedWeight.record_bytes_for([k for k, _ in parts], shape) for _, shape in parts)
+            total += QuantizedWeight.held_bytes(parts)
         else:
             total += 4 * sum(int(np.prod(shape)) for _, shape in parts)
     return total
