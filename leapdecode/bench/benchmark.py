@@ -15,6 +15,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.prompts import load_prompt_set
-from leapdecode.bench.rows import Row, median
+from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.threads import THREADS_HELP
 
@@ -142,7 +143,9 @@ def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -
     return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, median([o.metrics.ttft_s * 1e3 for o in outs]),
                tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
                num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
-               num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs))
+               num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs),
+               routes=dict(Counter(o.metrics.route for o in outs if o.metrics.route)),
+               draft_methods=dict(sum((Counter(o.metrics.draft_methods) for o in outs), Counter())))
 
 
 CEILING_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65)  # verified rows per step at which the target's step is timed
@@ -422,6 +425,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      "time measured after the runs: " + "; ".join(
                          (f"[{tag}] " if tag else "") + ", ".join(f"{n} rows {t * 1e3:.2f} ms" for n, t in pts)
                          for tag, pts in step_costs.items()) + ".")
+    if args.explain:
+        notes += ["", "Routes of the speculative `auto` router (--explain):", "", *explain_rows(rows)]
     print(table)
     print("\n".join(notes))
     if args.out:
@@ -486,6 +491,8 @@ def add_cli(sub) -> None:
                    "acceptance would reach if drafting were free (mean accepted x t(1) / t(rows)): whether a "
                    "drafter could pay on this machine at all, apart from its own cost")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    p.add_argument("--explain", action="store_true",
+                   help="say which route the speculative \"auto\" router took per request, and which methods drafted")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw the batch-1 tok/s and (with --ceiling) the step-cost curves to PNG (needs matplotlib)")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

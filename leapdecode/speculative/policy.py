@@ -19,7 +19,7 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.models.llama import LlamaForCausalLM
-from leapdecode.speculative.artifacts import shipped_adapter_for, shipped_dir, shipped_heads_for
+from leapdecode.speculative.artifacts import BLOCKWISE_DIR, shipped_adapter_for, shipped_dir, shipped_heads_for
 from leapdecode.speculative.state import GammaState
 
 
@@ -38,6 +38,8 @@ class DynamicGamma:
         if num_drafted == 0:
             return
         rate = num_accepted / num_drafted
+        st.drafted += num_drafted
+        st.accepted += num_accepted
         st.acceptance_ema = 0.7 * st.acceptance_ema + 0.3 * rate
         c = self.cfg
         if c.num_speculative_tokens is not None:
@@ -139,7 +141,8 @@ def calibrate_target(runner: ModelRunner, bm: BlockManager) -> StepCostModel:
 def auto_methods(cfg: SpeculativeConfig, target: LlamaForCausalLM | None = None) -> list[str]:
     """What ``auto`` chooses among: every lossless drafter usable without further arguments (a trained drafter
     only when its shipped artefact was trained for ``target``), or only those of them that the config's
-    ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``)."""
+    ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``); with ``"lossless": false`` also
+    the shipped blockwise heads, where they fit ``target`` (the router's lossy branch)."""
     wanted = cfg.auto.methods
     methods = ["ngram"]
     if cfg.model or (target is not None and shipped_adapter_for(target, shipped_dir("draft_model")) is not None):
@@ -156,4 +159,6 @@ def auto_methods(cfg: SpeculativeConfig, target: LlamaForCausalLM | None = None)
         if missing:
             raise ValueError(f"auto cannot use {missing} here (no shipped drafter for this model, or no \"model\")")
         methods = [m for m in methods if m in wanted]
+    if not cfg.auto.lossless and target is not None and shipped_heads_for(target, BLOCKWISE_DIR) is not None:
+        methods.append("blockwise")
     return methods

@@ -9,6 +9,7 @@ registry, the sizing rules from policy.py, the acceptance rules from acceptance.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from leapdecode.speculative.policy import (
 )
 from leapdecode.speculative.proposer import EngineView, Proposer
 from leapdecode.speculative.registry import make_proposer
+from leapdecode.speculative.router import KV_SHORT, DrafterFacts, Router, pick
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
@@ -72,6 +74,13 @@ class Speculator:
                 prop.calibrate_cost()  # drafters that run a model time their own steps
         if cfg.method == "auto" and self.cost is not None:
             self._drop_unprofitable()
+        self.router: Router | None = None  # auto: the strategy router (router.py) picks per request and step
+        if cfg.method == "auto":
+            facts = [DrafterFacts(n, p.memory_bytes() / 2**20) for n, p in self.proposers.items()]
+            tok = view.tokenizer
+            text: Callable[[list[int]], str] = (lambda ids: "") if tok is None else \
+                (lambda ids: tok.decode(ids, skip_special_tokens=True))
+            self.router = Router(cfg.auto, facts, text, self.dropped)
 
     def _drop_unprofitable(self) -> None:
         """``auto``: leave out chain drafters whose measured acceptance (``prior_acceptance``) cannot pay for
@@ -95,8 +104,14 @@ class Speculator:
         st = states.get(method)
         if st is None:
             st = states[method] = self.gamma.new_state()
-            st.acceptance_ema = self.proposers[method].acceptance_prior()
+            st.acceptance_ema = self.start_acceptance(seq, method)
         return st
+
+    def start_acceptance(self, seq: Sequence, method: str) -> float:
+        """Where ``seq``'s acceptance estimate for ``method`` starts: under ``auto`` what the router measured for
+        the request's task, else the drafter's prior."""
+        prior = self.proposers[method].acceptance_prior()
+        return prior if self.router is None else self.router.prior(seq, method, prior)
 
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
@@ -107,20 +122,35 @@ class Speculator:
         if room <= 0:
             return 0
         batch = max(1, len(self.view.running()))
+        names = list(self.proposers)
+        if self.router is not None:
+            names = [n for n in self.router.route(seq).candidates if n in self.proposers]
+            if self.router.kv_short(self.view.block_manager):
+                self.router.depart(seq, f"KV short: under {KV_SHORT:.0%} of the KV pool free, no drafting")
+                return 0
         # every method must beat plain decoding's rate to be chosen
-        best_name, best_k, best_rate = None, 0, (batch / self.cost(batch) if self.cost is not None else 0.0)
-        for name, prop in self.proposers.items():
+        plain = batch / self.cost(batch) if self.cost is not None else 0.0
+        rates: dict[str, tuple[int, float]] = {}
+        for name in names:
+            prop = self.proposers[name]
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
                 if tree[0] > 0:
-                    best_name, best_k = name, tree[0]
-                    break
+                    seq.draft_state.method = name
+                    return tree[0]
                 continue
             k, rate = self._tree_rate(name, prop, tree, batch) if tree is not None else \
                 self._chain_rate(seq, name, prop, room, batch)
-            if k > 0 and rate > best_rate:
-                best_name, best_k, best_rate = name, k, rate
-        seq.draft_state.method = best_name
+            if k > 0 and rate > plain:
+                rates[name] = (k, rate)
+        if self.router is None:  # the fastest (the first of equals)
+            best = max(rates, key=lambda n: rates[n][1]) if rates else None
+            best_k = rates[best][0] if best is not None else 0
+        else:
+            best, best_k, note = pick(self.router.route(seq), rates)
+            if note is not None:
+                self.router.depart(seq, note)
+        seq.draft_state.method = best
         return best_k
 
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
@@ -141,7 +171,7 @@ class Speculator:
         if k == 0:
             # drift back toward the prior while not drafting, so a sequence whose text turns repetitive (or
             # copies from its input) gets to try again
-            st.acceptance_ema += 0.05 * (prop.acceptance_prior() - st.acceptance_ema)
+            st.acceptance_ema += 0.05 * (self.start_acceptance(seq, name) - st.acceptance_ema)
             return 0, 0.0
         t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
         return k, (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
@@ -169,6 +199,7 @@ class Speculator:
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
             self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (time.perf_counter() - t0) / len(seqs))
             for seq, prop in zip(seqs, props):
+                seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
                 seq.draft_state.tree_parents = list(prop.parents) if prop.parents and prop.tokens else None
@@ -189,6 +220,18 @@ class Speculator:
         if not seq.is_finished and res.hidden.numel():
             for prop in self.proposers.values():
                 prop.observe(seq, res.hidden[row])
+        if self.router is not None and not seq.is_finished and self.router.domain_switch(seq) is not None:
+            self._restart_estimates(seq)
+
+    def _restart_estimates(self, seq: Sequence) -> None:
+        """The copy detector saw the text change domain: prompt lookup's acceptance estimate becomes the measured
+        copy rate, every other drafter's restarts where a new request's would, so the next step weighs them
+        afresh."""
+        hit_rate = seq.draft_state.domain.hit_rate
+        for method, st in seq.draft_state.gamma.items():
+            st.acceptance_ema = self.start_acceptance(seq, method)
+        if "ngram" in self.proposers:
+            self.state(seq, "ngram").acceptance_ema = hit_rate
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
         """Emitted tokens and the number of drafts accepted, from the target logits at the drafts' positions;
@@ -268,6 +311,8 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         for prop in self.proposers.values():
             prop.release(seq)
+        if self.router is not None:
+            self.router.finish(seq)
 
 
 __all__ = ["Speculator"]

@@ -29,7 +29,7 @@ from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.speculative.artifacts import is_adapter_folder
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
 from leapdecode.speculative.policy import scratch_step
-from leapdecode.speculative.proposer import EngineView
+from leapdecode.speculative.proposer import EngineView, tensor_bytes
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 
@@ -75,6 +75,10 @@ class DraftModelProposer(ShadowCacheProposer):
         check_same_tokenizer(view.tokenizer, load_tokenizer(p) if view.tokenizer is not None else None)
         return cls(model, view.model.config.vocab_size, view.block_manager.num_blocks, view.block_size, view.device,
                    view.dtype, view.max_model_len, view.generator, view.running)
+
+    def memory_bytes(self) -> int:
+        """The draft model's weights and its own KV cache."""
+        return tensor_bytes(self.model) + self.kv.nbytes
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.vocab_size

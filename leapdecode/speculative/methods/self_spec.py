@@ -59,7 +59,7 @@ from leapdecode.speculative.artifacts import (
 )
 from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.options import DRAFT_PRECISIONS, DraftPrecision
-from leapdecode.speculative.proposer import EngineView
+from leapdecode.speculative.proposer import EngineView, tensor_bytes
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 DEFAULT_MIN_DRAFT_PROB = 0.3
@@ -186,6 +186,11 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.num_catchup_tokens = 0
         self.num_fallback_tokens = 0
         self.num_captured_tokens = 0
+
+    def memory_bytes(self) -> int:
+        """The adapter's weights, its KV cache, the captured hidden states with their tags, a subset head."""
+        return (tensor_bytes(self.adapter, self.h_pool, self.pos_tag, self.tok_tag, self._head_subset,
+                             self._head_subset_packed) + self.adapter_kv.nbytes)
 
     def capture_layer(self) -> int:
         """After which target layer the runner hands this drafter its hidden states (h_L)."""
