@@ -53,10 +53,10 @@ def test_tree_branches_for_given_constraints():
     # lossless, change allowed (default): the Medusa family first, then the separate drafters
     r = plan_route("chat", AutoOptions(), ALL)
     assert r.branch == ["lossless", "change allowed: Medusa"]
-    assert r.candidates == ("medusa", "eagle", "self_spec", "ngram", "draft_model") and not r.departures
+    assert r.candidates == ("medusa", "eagle", "self_spec", "draft_model", "ngram") and not r.departures
     # lossless with minimal change: speculative decoding with a separate drafter only
     r = plan_route("code", AutoOptions(minimal_change=True), ALL)
-    assert r.candidates == ("ngram", "draft_model") and r.branch[-1] == "minimal change: speculative decoding"
+    assert r.candidates == ("draft_model", "ngram") and r.branch[-1] == "minimal change: speculative decoding"
     # lossy allowed: block-parallel decoding, or non-autoregressive blocks under an extreme latency target
     r = plan_route("chat", AutoOptions(lossless=False, latency_slo_ms=50), ALL)
     assert r.candidates == ("blockwise",) and r.branch[-1] == "block-parallel decoding"
@@ -71,8 +71,8 @@ def test_tree_branches_for_given_constraints():
     assert {d.split(" ")[0] for d in r.departures} == {"draft_model", "eagle"}
     # no drafter of the Medusa family here: speculative decoding instead, said so
     r = plan_route("chat", AutoOptions(), [f for f in ALL if f.name in ("ngram", "draft_model")])
-    assert r.candidates == ("ngram", "draft_model") and "speculative decoding instead" in r.departures[0]
-    assert "task=chat; lossless -> change allowed: Medusa [ngram, draft_model]; departs: no drafter" in r.explain()
+    assert r.candidates == ("draft_model", "ngram") and "speculative decoding instead" in r.departures[0]
+    assert "task=chat; lossless -> change allowed: Medusa [draft_model, ngram]; departs: no drafter" in r.explain()
 
 
 def test_lossy_settings_follow_the_latency_target():
@@ -157,7 +157,7 @@ def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, p
     for o in outs:
         m = o.metrics
         # no drafter of the Medusa family on this tiny model: speculative decoding with the draft model
-        assert m.route.startswith("task=") and "[ngram, draft_model]" in m.route
+        assert m.route.startswith("task=") and "[draft_model, ngram]" in m.route
         assert sum(m.draft_methods.values()) > 0 and set(m.draft_methods) <= {"ngram", "draft_model"}
         assert m.to_dict()["route"] == m.route
     assert_no_leaks(spec)
@@ -167,3 +167,55 @@ def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, p
     small.engine.speculator.cost = StepCostModel([(1, 1.0), (65, 1.0)])
     m = small.generate(PROMPTS[:1], params, use_tqdm=False)[0].metrics
     assert "[ngram]" in m.route and "draft_model holds" in m.route and set(m.draft_methods) <= {"ngram"}
+
+
+# a copy of its input, then free writing (with ignore_eos the bundled model goes on past its answer into new text)
+SWITCH_TEXT = ("The committee met on Tuesday to review the budget for the new library, and agreed to fund the reading "
+               "room, the children's corner and a small cafe.")
+SWITCH_CHAT = [{"role": "user", "content": "Quote this sentence exactly and then continue the story with what "
+                                           f"happened next: \"{SWITCH_TEXT}\""}]
+
+
+def test_domain_switch_from_copying_to_writing_changes_the_drafter_losslessly(bundled_llm):
+    params = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True)
+    plain = bundled_llm.chat([SWITCH_CHAT], params, use_tqdm=False)[0]
+    spec = LLM.from_engine_of(bundled_llm, speculative_config={"method": "auto", "methods": ["ngram"]})
+    sp = spec.engine.speculator
+    # a step cost that rises 0.3x per verified row (this machine's timing must not decide the test): prompt lookup
+    # pays at the copy's acceptance, not at free writing's
+    sp.cost = StepCostModel([(1, 1.0), (65, 20.2)])
+    steps: list[tuple[int, str | None]] = []
+    propose = sp.propose
+
+    def record(scheduled):
+        propose(scheduled)
+        steps.extend((s.seq.num_output_tokens, s.seq.draft_state.method) for s in scheduled if s.seq.draft_token_ids)
+
+    sp.propose = record
+    out = spec.chat([SWITCH_CHAT], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids  # lossless across the switch
+    m = out.metrics
+    assert m.num_domain_switches >= 1
+    switch_at = int(m.route.split("domain switch to writing at output token ")[1].split(";")[0])
+    copy_len = len(bundled_llm.engine.tokenizer.encode(SWITCH_TEXT))
+    assert copy_len - 5 <= switch_at <= copy_len + 15  # the copy ends, the detector notices within a few tokens
+    before = [meth for n, meth in steps if n < switch_at]
+    after = [meth for n, meth in steps if n > switch_at]
+    assert before.count("ngram") >= 3  # prompt lookup drafted the copy
+    assert "ngram" not in after  # and stopped at the switch: free writing decodes plainly here
+    assert_no_leaks(spec)
+
+
+def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    sp = spec.engine.speculator
+    seq = _Seq([5, 6, 7])
+    seq.metrics = type("M", (), {"route": None})()  # type: ignore[attr-defined]
+    seq.prompt_token_ids = seq.token_ids  # type: ignore[attr-defined]
+    for name in ("ngram", "draft_model"):
+        sp.state(seq, name).acceptance_ema = 0.05  # type: ignore[arg-type]
+    seq.draft_state.domain.hit_rate = 0.9
+    sp._restart_estimates(seq)  # type: ignore[arg-type]
+    assert sp.state(seq, "ngram").acceptance_ema == 0.9  # type: ignore[arg-type]
+    prior = sp.proposers["draft_model"].acceptance_prior()
+    assert sp.state(seq, "draft_model").acceptance_ema == prior  # type: ignore[arg-type]

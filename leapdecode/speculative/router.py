@@ -4,7 +4,7 @@ Three layers of decision, each visible in the request's ``metrics.route`` (``Rou
 
 1. **The decision tree** (``plan_route``), once per request, from the user's constraints (options.AutoOptions):
    lossless? yes -> does the deployment have to stay unchanged (``minimal_change``)? yes -> speculative decoding
-   with a separate drafter (prompt lookup, a draft model); no -> the Medusa family (drafters that read the
+   with a separate drafter (a draft model, then prompt lookup); no -> the Medusa family (drafters that read the
    target's own hidden states: Medusa first, then EAGLE and self-speculation). Lossy allowed -> is the latency
    target extreme (< 10 ms per token)? yes -> non-autoregressive blocks (blockwise heads, every proposed token
    kept); no -> block-parallel decoding (blockwise heads, top-k acceptance). A drafter over the memory budget
@@ -17,7 +17,9 @@ Three layers of decision, each visible in the request's ``metrics.route`` (``Rou
    step cost at the live batch size). The router takes the tree's most preferred candidate whose rate is within
    ``TREE_MARGIN`` of the best; when the best is clearly faster the route departs from the tree and says so,
    with both rates. While the target's KV pool is nearly full (free share below ``KV_SHORT``) nobody drafts:
-   reserved draft slots would push the scheduler into preempting (recomputing) whole sequences.
+   reserved draft slots would push the scheduler into preempting (recomputing) whole sequences. A chain drafter
+   that was given a budget and proposed nothing (prompt lookup without a match) counts as a verification that
+   accepted nothing, so a drafter with nothing to offer does not keep its place at the head of the tree.
 
 **Domain switching** (``DomainDetector``): per sequence, whether the latest committed tokens repeat what came
 before (each token checked against the token that followed the latest occurrence of its bigram: exactly what
@@ -54,7 +56,7 @@ DOMAIN_WARMUP = 8
 COPYING_ABOVE = 0.6
 WRITING_BELOW = 0.25
 # which drafters leave the target untouched (the tree's "minimal change") and which read its hidden states
-SEPARATE_DRAFTERS = ("ngram", "draft_model")
+SEPARATE_DRAFTERS = ("draft_model", "ngram")
 MEDUSA_FAMILY = ("medusa", "eagle", "self_spec")
 
 # --------------------------------------------------------------------------------------------- task type
@@ -236,9 +238,8 @@ class Router:
         st = seq.draft_state
         if st.route is None:
             st.route = plan_route(classify_task(self.decode(seq.prompt_token_ids)), self.opts, self.facts)
-            for name, acceptance in self.dropped.items():
-                st.route.departures.append(f"{name} left out: its measured acceptance {acceptance:.2f} cannot pay "
-                                           "for its step cost on this machine")
+            st.route.departures[:0] = [f"{name} left out: its measured acceptance {acceptance:.2f} cannot pay for "
+                                       "its step cost on this machine" for name, acceptance in self.dropped.items()]
             seq.metrics.route = st.route.explain()
         return st.route
 

@@ -199,7 +199,10 @@ class Speculator:
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
             self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (time.perf_counter() - t0) / len(seqs))
             for seq, prop in zip(seqs, props):
-                seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
+                if prop.tokens:
+                    seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
+                elif self.router is not None and name in seq.draft_state.gamma:  # nothing to offer: none accepted
+                    self.gamma.update(seq.draft_state.gamma[name], 1, 0)
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
                 seq.draft_state.tree_parents = list(prop.parents) if prop.parents and prop.tokens else None
