@@ -32,9 +32,10 @@ from leapdecode.speculative.policy import (
     StepCostModel,
     auto_methods,
     calibrate_target,
+    chunk_size,
     expected_tokens,
 )
-from leapdecode.speculative.proposer import EngineView, Proposer
+from leapdecode.speculative.proposer import EngineView, Proposal, Proposer
 from leapdecode.speculative.registry import make_proposer
 from leapdecode.speculative.router import KV_SHORT, DrafterFacts, Router, pick
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
@@ -66,6 +67,9 @@ class Speculator:
         # ~0.5-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
+        # chunked verification: chains split (a tail kept back), and steps that verified a kept tail
+        self.num_chunked = 0
+        self.num_resumed = 0
         # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
         if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
@@ -121,6 +125,9 @@ class Speculator:
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.view.max_model_len - seq.num_tokens - 1)
         if room <= 0:
             return 0
+        kept = self._pending_budget(seq, room)
+        if kept:
+            return kept
         batch = max(1, len(self.view.running()))
         names = list(self.proposers)
         if self.router is not None:
@@ -152,6 +159,44 @@ class Speculator:
                 self.router.depart(seq, note)
         seq.draft_state.method = best
         return best_k
+
+    def _pending_budget(self, seq: Sequence, room: int) -> int:
+        """Drafts kept back by chunked verification that still hold (the sequence committed every submitted draft
+        and then exactly the next kept one): verify them this step, without drafting. Else they are dropped."""
+        st = seq.draft_state
+        if not st.pending:
+            return 0
+        if (seq.num_tokens != st.pending_at or seq.token_ids[-1] != st.pending[0] or len(st.pending) < 2
+                or st.pending_method not in self.proposers):
+            self._keep(seq, None, [], None, -1)
+            return 0
+        st.method = st.pending_method
+        return min(len(st.pending) - 1, room)
+
+    @staticmethod
+    def _keep(seq: Sequence, method: str | None, tokens: list[int], probs: torch.Tensor | None, at: int) -> None:
+        st = seq.draft_state
+        st.pending, st.pending_probs, st.pending_at, st.pending_method = tokens, probs, at, method
+
+    def _chunk(self, seq: Sequence, name: str, prop: Proposal, propose_s: float) -> Proposal:
+        """The part of ``prop`` to verify this step; a long chain's tail is kept back when verifying it in chunks
+        pays (``policy.chunk_size``) or the config fixes a chunk (``verify_chunk``)."""
+        n = len(prop.tokens)
+        forced = self.cfg.verify_chunk
+        c = n
+        if prop.parents is None and not self.proposers[name].fixed_budget and forced != 0:
+            if forced is not None:
+                c = min(n, forced)
+            elif self.cost is not None:
+                batch = max(1, len(self.view.running()))
+                c = chunk_size(self.cost, self.state(seq, name).acceptance_ema, n, batch, propose_s)
+        if c >= n:
+            self._keep(seq, None, [], None, -1)
+            return prop
+        probs = prop.probs
+        self.num_chunked += 1
+        self._keep(seq, name, prop.tokens[c:], None if probs is None else probs[c:], seq.num_tokens + c + 1)
+        return Proposal(prop.tokens[:c], None if probs is None else probs[:c])
 
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
         """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises."""
@@ -194,11 +239,23 @@ class Speculator:
         for name, group in by_method.items():
             if name not in self.proposers:
                 continue
-            seqs = [s.seq for s in group]
+            kept = [s for s in group if s.seq.draft_state.pending_method == name]
+            fresh = [s for s in group if s.seq.draft_state.pending_method != name]
+            seqs = [s.seq for s in fresh]
             t0 = time.perf_counter()
-            props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
-            self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (time.perf_counter() - t0) / len(seqs))
+            props = self.proposers[name].propose(seqs, [s.spec_budget for s in fresh]) if fresh else []
+            per_seq = (time.perf_counter() - t0) / max(1, len(seqs))
+            if fresh:
+                self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), per_seq)
+            self.num_resumed += len(kept)
+            for s in kept:  # the rest of a chain verified in chunks: no drafting this step
+                st = s.seq.draft_state
+                k = s.spec_budget
+                probs = None if st.pending_probs is None else st.pending_probs[1 : 1 + k]
+                seqs.append(s.seq)
+                props.append(Proposal(st.pending[1 : 1 + k], probs))
             for seq, prop in zip(seqs, props):
+                prop = self._chunk(seq, name, prop, per_seq)
                 if prop.tokens:
                     seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
                 elif self.router is not None and name in seq.draft_state.gamma:  # nothing to offer: none accepted

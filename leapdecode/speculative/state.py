@@ -77,6 +77,13 @@ class DraftState:
     hybrid_gamma: GammaState | None = None
     hybrid_trunk: int | None = None
     hybrid_trunk_len: int = 0
+    # chunked verification (speculator.py): the drafts kept back from the last verification, the length the
+    # sequence has when they still hold (every submitted draft accepted and the bonus token equal to pending[0]),
+    # their draft distributions and the method that drafted them
+    pending: list[int] = field(default_factory=list)
+    pending_probs: torch.Tensor | None = None
+    pending_at: int = -1
+    pending_method: str | None = None
     # the strategy router (router.py): this request's route and its copy detector
     route: Route | None = None
     domain: DomainState = field(default_factory=DomainState)
