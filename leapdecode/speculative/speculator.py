@@ -70,6 +70,8 @@ class Speculator:
         # chunked verification: chains split (a tail kept back), and steps that verified a kept tail
         self.num_chunked = 0
         self.num_resumed = 0
+        # chains verified, per draft position j: [drafts at j, of them accepted] (acceptance by draft position)
+        self.position_counts: list[list[int]] = []
         # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
         if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
@@ -277,11 +279,20 @@ class Speculator:
         """Hand the drafters the hidden state behind the last emitted token (row recorded by ``verify``; the
         last row after plain sampling)."""
         row, seq.draft_state.hidden_row = seq.draft_state.hidden_row, -1
+        if seq.draft_token_ids and seq.draft_state.tree_parents is None:  # a chain was verified this step
+            self._count_positions(len(seq.draft_token_ids), len(seq.draft_state.accepted_path))
         if not seq.is_finished and res.hidden.numel():
             for prop in self.proposers.values():
                 prop.observe(seq, res.hidden[row])
         if self.router is not None and not seq.is_finished and self.router.domain_switch(seq) is not None:
             self._restart_estimates(seq)
+
+    def _count_positions(self, drafted: int, accepted: int) -> None:
+        counts = self.position_counts
+        counts.extend([0, 0] for _ in range(drafted - len(counts)))
+        for j in range(drafted):
+            counts[j][0] += 1
+            counts[j][1] += j < accepted
 
     def _restart_estimates(self, seq: Sequence) -> None:
         """The copy detector saw the text change domain: prompt lookup's acceptance estimate becomes the measured
