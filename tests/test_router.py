@@ -8,7 +8,7 @@ import pytest
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
 from leapdecode.speculative.options import AutoOptions
-from leapdecode.speculative.policy import StepCostModel
+from leapdecode.speculative.policy import StepCostModel, group_by_acceptance
 from leapdecode.speculative.router import (
     MIN_TASK_DRAFTS,
     DomainDetector,
@@ -219,3 +219,47 @@ def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
     assert sp.state(seq, "ngram").acceptance_ema == 0.9  # type: ignore[arg-type]
     prior = sp.proposers["draft_model"].acceptance_prior()
     assert sp.state(seq, "draft_model").acceptance_ema == prior  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ acceptance grouping
+def test_grouping_keeps_a_low_acceptance_sequence_from_lengthening_the_step():
+    # a step cost that jumps past 8 rows (a kernel's tile edge)
+    cost = StepCostModel([(1, 1.0), (8, 1.05), (9, 2.0), (65, 3.0)])
+    free = lambda g: 0.0  # noqa: E731
+    wants = [(0.6, 3, free), (0.9, 6, free)]
+    # alone, each sees a step of 2 rows: both draft, 11 rows, and the whole batch pays the slower step
+    assert [cost.best_gamma(a, k, 2, 2, d) for a, k, d in wants] == [3, 6]
+    # together: the well-accepted sequence fills the cheap rows; the other's drafts would cross the edge
+    assert group_by_acceptance(wants, cost, 2) == [0, 6]
+    # fixed sizes (trees, kept tails) are taken as asked and count toward the step first
+    assert group_by_acceptance([(None, 6, free), (0.5, 6, free)], cost, 2) == [6, 0]
+
+
+def test_grouped_sizing_is_lossless_at_batch(tiny_model_dir, plain_tiny):
+    """8 sequences whose drafts are all accepted (the target drafts for itself), under a step cost that jumps past
+    12 rows: sized alone, each drafts as if the others verified one token and the steps cross the edge; sized
+    together, the steps stay under it. Tokens equal plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS * 2
+    base = [o.outputs[0].token_ids for o in plain_tiny.generate(prompts, params, use_tqdm=False)]
+    widest = {}
+    for grouped in (True, False):
+        spec = LLM.from_engine_of(plain_tiny, speculative_config={
+            "method": "draft_model", "model": str(tiny_model_dir), "group_by_acceptance": grouped})
+        sp = spec.engine.speculator
+        sp.cost = StepCostModel([(1, 1.0), (12, 1.05), (13, 2.0), (65, 3.0)])
+        sp.proposer.step_cost_fn = lambda n: 0.0
+        rows: list[int] = []
+        propose = sp.propose
+
+        def record(scheduled, propose=propose, rows=rows, running=sp.view.running):
+            propose(scheduled)  # a decoding step's rows: one per running sequence plus the drafts
+            rows.append(len(running()) + sum(len(s.seq.draft_token_ids) for s in scheduled))
+
+        sp.propose = record
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == base
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        widest[grouped] = max(rows)
+        assert_no_leaks(spec)
+    assert widest[True] <= 12 < widest[False]

@@ -122,6 +122,25 @@ class StepCostModel:
         return best
 
 
+def group_by_acceptance(wants: list[tuple[float | None, int, Callable[[int], float]]], cost: StepCostModel,
+                        batch: int) -> list[int]:
+    """Draft lengths for one step's sequences sized together. ``wants[i]`` = (acceptance, the length the sequence
+    would draft alone, its draft cost by length); acceptance None marks a fixed size (a tree, a kept tail), taken
+    as asked. The chains then go best acceptance first, each sized by ``best_gamma`` against the step as the
+    sequences before it already made it (every sequence's own token plus the drafts granted so far), so a
+    low-acceptance sequence does not lengthen the verification of the whole batch: it drafts only what still pays
+    in the longer step, often nothing."""
+    out = [k if alpha is None else 0 for alpha, k, _ in wants]
+    rows = batch + sum(out)
+    chains = sorted((i for i, w in enumerate(wants) if w[0] is not None), key=lambda i: -(wants[i][0] or 0.0))
+    for i in chains:
+        alpha, k, draft = wants[i]
+        assert alpha is not None
+        out[i] = cost.best_gamma(alpha, k, rows, batch, draft) if k > 0 else 0
+        rows += out[i]
+    return out
+
+
 CHUNK_MIN_DRAFTS = 4  # chains shorter than this are always verified in one pass
 
 

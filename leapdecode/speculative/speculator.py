@@ -34,6 +34,7 @@ from leapdecode.speculative.policy import (
     calibrate_target,
     chunk_size,
     expected_tokens,
+    group_by_acceptance,
 )
 from leapdecode.speculative.proposer import EngineView, Proposal, Proposer
 from leapdecode.speculative.registry import make_proposer
@@ -70,6 +71,9 @@ class Speculator:
         # chunked verification: chains split (a tail kept back), and steps that verified a kept tail
         self.num_chunked = 0
         self.num_resumed = 0
+        # acceptance-grouped sizing: request id -> (its length when planned, method, draft length)
+        self._group: dict[str, tuple[int, str | None, int]] = {}
+        self._group_running: list[str] = []
         # chains verified, per draft position j: [drafts at j, of them accepted] (acceptance by draft position)
         self.position_counts: list[list[int]] = []
         # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
@@ -131,6 +135,12 @@ class Speculator:
         if kept:
             return kept
         batch = max(1, len(self.view.running()))
+        if batch > 1 and self.cfg.group_by_acceptance and self.cost is not None:
+            return self._grouped_budget(seq, room, batch)
+        return self._choose(seq, room, batch)
+
+    def _choose(self, seq: Sequence, room: int, batch: int) -> int:
+        """The method and draft length ``seq`` would take alone (every other sequence verifying one token)."""
         names = list(self.proposers)
         if self.router is not None:
             names = [n for n in self.router.route(seq).candidates if n in self.proposers]
@@ -161,6 +171,39 @@ class Speculator:
                 self.router.depart(seq, note)
         seq.draft_state.method = best
         return best_k
+
+    def _grouped_budget(self, seq: Sequence, room: int, batch: int) -> int:
+        """``seq``'s share of this step's drafts sized together (``policy.group_by_acceptance``); the plan is made
+        for every running decoding sequence at the first call of a step and holds while the running set and their
+        lengths do."""
+        entry = self._group.get(seq.request_id)
+        running = [s.request_id for s in self.view.running()]
+        if entry is None or entry[0] != seq.num_tokens or running != self._group_running:
+            self._group_running = running
+            self._plan_group(batch)
+            entry = self._group.get(seq.request_id)
+        if entry is None:  # not among the running sequences: alone
+            return self._choose(seq, room, batch)
+        seq.draft_state.method = entry[1] if entry[2] > 0 else None
+        return entry[2]
+
+    def _plan_group(self, batch: int) -> None:
+        """Each running decoding sequence's method and length alone, then the chains' lengths sized together."""
+        seqs, wants = [], []
+        for s in self.view.running():
+            room = min(s.params.max_tokens - s.num_output_tokens - 1, self.view.max_model_len - s.num_tokens - 1)
+            if not s.params.speculative or room <= 0 or s.num_computed_tokens != s.num_tokens - 1:
+                continue
+            k = self._pending_budget(s, room) or self._choose(s, room, batch)
+            name = s.draft_state.method
+            chain = name is not None and name in s.draft_state.gamma and s.draft_state.pending_method != name
+            prop = self.proposers[name] if name is not None else None
+            draft = (lambda g, p=prop: p.step_cost(batch, g)) if prop is not None else (lambda g: 0.0)
+            seqs.append(s)
+            wants.append((self.state(s, name).acceptance_ema if chain and name else None, k, draft))
+        assert self.cost is not None
+        sizes = group_by_acceptance(wants, self.cost, batch)
+        self._group = {s.request_id: (s.num_tokens, s.draft_state.method, k) for s, k in zip(seqs, sizes)}
 
     def _pending_budget(self, seq: Sequence, room: int) -> int:
         """Drafts kept back by chunked verification that still hold (the sequence committed every submitted draft
