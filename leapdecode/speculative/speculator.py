@@ -289,8 +289,8 @@ class Speculator:
             seqs = [s.seq for s in fresh]
             t0 = time.perf_counter()
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in fresh]) if fresh else []
-            per_seq = (time.perf_counter() - t0) / max(1, len(seqs))
             if fresh:
+                per_seq = (time.perf_counter() - t0) / len(seqs)
                 self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), per_seq)
             self.num_resumed += len(kept)
             for s in kept:  # the rest of a chain verified in chunks: no drafting this step
@@ -300,7 +300,8 @@ class Speculator:
                 seqs.append(s.seq)
                 props.append(Proposal(st.pending[1 : 1 + k], probs))
             for seq, prop in zip(seqs, props):
-                prop = self._chunk(seq, name, prop, per_seq)
+                # the measured average, not this call's time: every decision reads the same smoothed clock
+                prop = self._chunk(seq, name, prop, self.propose_s.get(name, 0.0))
                 if prop.tokens:
                     seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
                 elif self.router is not None and name in seq.draft_state.gamma:  # nothing to offer: none accepted
