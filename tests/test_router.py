@@ -6,20 +6,24 @@ from __future__ import annotations
 import pytest
 
 from leapdecode import LLM, SamplingParams
+from leapdecode.bench.rows import Row, explain_rows
+from leapdecode.cli import main
 from leapdecode.config import SpeculativeConfig
+from leapdecode.outputs import RequestMetrics
 from leapdecode.speculative.options import AutoOptions
 from leapdecode.speculative.policy import StepCostModel, group_by_acceptance
 from leapdecode.speculative.router import (
     MIN_TASK_DRAFTS,
     DomainDetector,
     DrafterFacts,
+    Router,
     TaskAcceptance,
     classify_task,
     lossy_blockwise,
     pick,
     plan_route,
 )
-from leapdecode.speculative.state import DraftState, Route
+from leapdecode.speculative.state import DraftState, GammaState, Route
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
@@ -263,3 +267,33 @@ def test_grouped_sizing_is_lossless_at_batch(tiny_model_dir, plain_tiny):
         widest[grouped] = max(rows)
         assert_no_leaks(spec)
     assert widest[True] <= 12 < widest[False]
+
+
+def test_a_task_starts_where_its_earlier_requests_measured():
+    router = Router(AutoOptions(), ALL, lambda ids: "Write a Python function that sorts a list." if ids[0] == 1
+                    else "Tell me about the sea.", {"medusa": 0.1})
+    code, chat = _Seq([1, 2, 3]), _Seq([7, 8, 9])
+    for s in (code, chat):
+        s.prompt_token_ids = s.token_ids  # type: ignore[attr-defined]
+        s.metrics = RequestMetrics()  # type: ignore[attr-defined]
+    assert router.route(code).task == "code" and router.route(chat).task == "chat"  # type: ignore[arg-type]
+    assert "medusa left out: its measured acceptance 0.10" in code.metrics.route  # type: ignore[attr-defined]
+    assert router.prior(code, "ngram", 0.7) == 0.7  # type: ignore[arg-type]
+    code.draft_state.gamma["ngram"] = GammaState(3, drafted=MIN_TASK_DRAFTS, accepted=MIN_TASK_DRAFTS // 4)
+    router.finish(code)  # type: ignore[arg-type]
+    later = _Seq([1, 5])
+    later.prompt_token_ids = later.token_ids  # type: ignore[attr-defined]
+    later.metrics = RequestMetrics()  # type: ignore[attr-defined]
+    assert router.prior(later, "ngram", 0.7) == 0.25  # type: ignore[arg-type]
+    assert router.prior(chat, "ngram", 0.7) == 0.7  # type: ignore[arg-type]  # another task: not measured yet
+
+
+def test_generate_explain_prints_the_route(tiny_model_dir, capsys):
+    assert main(["generate", "a b c a b c a b", "--model", str(tiny_model_dir), "--max-tokens", "6",
+                 "--speculative-config", '{"method": "auto"}', "--explain"]) == 0
+    err = capsys.readouterr().err
+    assert "[route: task=chat; lossless -> change allowed: Medusa [ngram]" in err and "domain switches: 0" in err
+    rows = [Row("leapdecode", "auto", 1, 2, 10, 1.0, 1.0, 1.0, routes={"task=chat; x": 2},
+                draft_methods={"ngram": 3})]
+    assert explain_rows(rows) == ["- auto at batch 1: steps drafted by method: ngram 3",
+                                  "  - 2 request(s): task=chat; x"]
