@@ -173,43 +173,6 @@ def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, p
     assert "[ngram]" in m.route and "draft_model holds" in m.route and set(m.draft_methods) <= {"ngram"}
 
 
-# a copy of its input, then free writing (with ignore_eos the bundled model goes on past its answer into new text)
-SWITCH_TEXT = ("The committee met on Tuesday to review the budget for the new library, and agreed to fund the reading "
-               "room, the children's corner and a small cafe.")
-SWITCH_CHAT = [{"role": "user", "content": "Quote this sentence exactly and then continue the story with what "
-                                           f"happened next: \"{SWITCH_TEXT}\""}]
-
-
-def test_domain_switch_from_copying_to_writing_changes_the_drafter_losslessly(bundled_llm):
-    params = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True)
-    plain = bundled_llm.chat([SWITCH_CHAT], params, use_tqdm=False)[0]
-    spec = LLM.from_engine_of(bundled_llm, speculative_config={"method": "auto", "methods": ["ngram"]})
-    sp = spec.engine.speculator
-    # a step cost that rises 0.3x per verified row (this machine's timing must not decide the test): prompt lookup
-    # pays at the copy's acceptance, not at free writing's
-    sp.cost = StepCostModel([(1, 1.0), (65, 20.2)])
-    steps: list[tuple[int, str | None]] = []
-    propose = sp.propose
-
-    def record(scheduled):
-        propose(scheduled)
-        steps.extend((s.seq.num_output_tokens, s.seq.draft_state.method) for s in scheduled if s.seq.draft_token_ids)
-
-    sp.propose = record
-    out = spec.chat([SWITCH_CHAT], params, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == plain.outputs[0].token_ids  # lossless across the switch
-    m = out.metrics
-    assert m.num_domain_switches >= 1
-    switch_at = int(m.route.split("domain switch to writing at output token ")[1].split(";")[0])
-    copy_len = len(bundled_llm.engine.tokenizer.encode(SWITCH_TEXT))
-    assert copy_len - 5 <= switch_at <= copy_len + 15  # the copy ends, the detector notices within a few tokens
-    before = [meth for n, meth in steps if n < switch_at]
-    after = [meth for n, meth in steps if n > switch_at]
-    assert before.count("ngram") >= 3  # prompt lookup drafted the copy
-    assert "ngram" not in after  # and stopped at the switch: free writing decodes plainly here
-    assert_no_leaks(spec)
-
-
 def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
     spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
     sp = spec.engine.speculator
