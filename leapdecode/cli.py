@@ -75,7 +75,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tps = m.num_output_tokens / m.e2e_s if m.e2e_s else 0.0
         print(f"[{m.num_output_tokens} tokens, {tps:.1f} tok/s, mean accepted {m.mean_accepted_tokens:.2f}]",
               file=sys.stderr)
+        if args.explain:
+            print(explain_metrics(m), file=sys.stderr)
     return 0
+
+
+def explain_metrics(m) -> str:
+    """What ``--explain`` prints for one request: the route ``auto`` took and the steps each method drafted."""
+    steps = ", ".join(f"{k}: {v}" for k, v in sorted(m.draft_methods.items())) or "none"
+    return (f"[route: {m.route or 'not auto (one method)'}]\n[steps drafted by method: {steps}; domain switches: "
+            f"{m.num_domain_switches}]")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -123,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and metrics")
+    p.add_argument("--explain", action="store_true",
+                   help="after the text, say which route the speculative \"auto\" router took and why")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the chat template (tokens stream)", epilog=EPILOG)

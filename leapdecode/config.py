@@ -54,6 +54,14 @@ class SpeculativeConfig:
     lower_below: float = 0.5
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
+    # chunked verification of long chains (speculative/speculator.py): None = the step-cost model decides whether
+    # to verify only the first drafts of a long chain and keep the rest for the next step; 0 = never; N = verify
+    # at most N drafts per pass
+    verify_chunk: int | None = None
+    # under load, size the drafts of a step together (speculative/policy.group_by_acceptance): sequences with the
+    # best acceptance draft first, the others see the step their drafts already made longer; False = each
+    # sequence decides alone, as if every other one verified a single token
+    group_by_acceptance: bool = True
     # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
     # int8 activations while the target verifies in float32 (the target checks every token, so the drafter's
     # precision moves acceptance, never the output); None = the target's. With "model": "target" the drafter
@@ -102,6 +110,11 @@ class SpeculativeConfig:
             1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max"
         )
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
+        _check(isinstance(self.group_by_acceptance, bool),
+               f"group_by_acceptance must be true or false, got {self.group_by_acceptance!r}")
+        _check(self.verify_chunk is None or (isinstance(self.verify_chunk, int) and not isinstance(
+            self.verify_chunk, bool) and self.verify_chunk >= 0),
+            f"verify_chunk must be null (the cost model decides), 0 (never) or N >= 1, got {self.verify_chunk!r}")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
         _check(
             self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,

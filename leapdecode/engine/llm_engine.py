@@ -12,6 +12,7 @@ from leapdecode.config import EngineConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
@@ -74,9 +75,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
         if kv_dtype == torch.int8 and config.kv_calibration:
-            from leapdecode.engine.kv_calibration import calibrate_int8_keys
-
-            calibrate_int8_keys(self)
+            calibrate_int8_keys(self.runner, self.kv_cache, self.block_manager,
+                                calibration_token_lists(self.tokenizer),
+                                min(self.max_model_len, config.max_num_batched_tokens))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
