@@ -26,8 +26,11 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.server.api_server import DEFAULT_MAX_REQUEST_BYTES, TextDeltas, add_cli, build_app, make_server
+from leapdecode.server.api_server import build_app
 from leapdecode.server.async_engine import AsyncEngine
+from leapdecode.server.defaults import DEFAULT_MAX_REQUEST_BYTES
+from leapdecode.server.serve import add_cli, make_server
+from leapdecode.server.streaming import TextDeltas
 from tests.conftest import assert_no_leaks
 
 HOST = "127.0.0.1"
