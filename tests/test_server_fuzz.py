@@ -95,6 +95,9 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: :func:`build_app` (``leapdecode serve`` runs it, see :mod:`.serve`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both non-streaming and SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). The model answers to its own name and to
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``
+(Prometheus). The model answers to its own name and to
 ``default``. All requests share one engine loop (see :mod:`leapdecode.server.async_engine`); the routes live in
 :mod:`leapdecode.server.routes`, their shared plumbing in :mod:`leapdecode.server.serving`, the streaming
 invariants in :mod:`leapdecode.server.streaming`. A 500 means a server bug.
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 
 import leapdecode
@@ -23,10 +25,12 @@ from leapdecode.server.async_engine import AsyncEngine
 from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from leapdecode.server.errors import install_error_handlers
 from leapdecode.server.metrics import ServerMetrics
-from leapdecode.server.middleware import StatusCounter
+from leapdecode.server.middleware import ApiKeyAuth, RequestId, StatusCounter
 from leapdecode.server.openapi import install_component_schemas
-from leapdecode.server.routes import admin, chat, completions
+from leapdecode.server.routes import admin, chat, completions, tokens
 from leapdecode.server.serving import Serving, as_llm, default_model_name
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (probes and scrapers)
 
 
 def build_app(
@@ -34,9 +38,16 @@ def build_app(
     model_name: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine``. The engine thread starts and stops with the app's lifespan,
-    so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413."""
+    so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413.
+
+    ``api_key``: every path but ``/health`` and ``/metrics`` then requires ``Authorization: Bearer <api_key>``.
+    ``allowed_origins``: the browser origins allowed by CORS (``["*"]`` for any); None answers no CORS headers."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (pass None for no key)")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     llm = as_llm(llm_or_engine)
@@ -63,14 +74,31 @@ def build_app(
     app.state.model_name = serving.name
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (admin, chat, completions):
+    for module in (admin, chat, completions, tokens):
         module.add_routes(app, serving)
     endpoints = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
+    # the last added runs first: count every answer, then CORS (a preflight carries no key), ids, the key
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(RequestId)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
     app.add_middleware(StatusCounter, counter=metrics.requests, endpoints=endpoints)
     install_component_schemas(
         app,
-        [(P.ChatCompletionRequest, "validation"), (P.CompletionRequest, "validation")]
-        + [(m, "serialization") for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList)]
+        [(m, "validation") for m in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeRequest)]
+        + [(P.DetokenizeRequest, "validation")]
+        + [
+            (m, "serialization")
+            for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
+        ]
+        + [(m, "serialization") for m in (P.DetokenizeResponse, P.VersionResponse)]
         + [(P.ErrorResponse, "serialization")],
     )
     return app

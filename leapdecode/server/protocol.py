@@ -23,11 +23,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    RootModel,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    field_validator,
     model_validator,
 )
 
@@ -196,6 +196,11 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the ``[{"role", "content"}]`` list the chat template expects."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
@@ -210,29 +215,33 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens = self.max_completion_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        """The messages as the ``[{"role", "content"}]`` list the chat template expects."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return as_conversation(self.messages)
+
+
+# one prompt of /v1/completions: a text, or token ids
+PromptInput = StrictStr | Annotated[list[JsonInt], Field(min_length=1)]
+MAX_PROMPTS = 256  # prompts per /v1/completions request (each is one engine request)
 
 
 class CompletionRequest(_SamplingRequest):
-    # a string, a list of token ids, or a one-element batch of either
-    prompt: StrictStr | list[JsonInt] | list[StrictStr] | list[list[JsonInt]]
+    # a string, a list of token ids, or a batch of either (OpenAI's four forms)
+    prompt: (
+        StrictStr
+        | Annotated[list[JsonInt], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[Annotated[list[JsonInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     echo: StrictBool = False
     logprobs: JsonInt | None = None
     best_of: JsonInt | None = None
     suffix: StrictStr | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -340,3 +349,57 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------------ tokenize, version
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a text (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with a conversation: the tokens the chat template makes of it, ready for the assistant's
+    turn (what ``/v1/chat/completions`` would feed the model)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: StrictBool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        return as_conversation(self.messages)
+
+
+class TokenizeRequest(RootModel[TokenizeChatRequest | TokenizeCompletionRequest]):
+    """Either form of ``POST /tokenize``: ``messages`` (a conversation) or ``prompt`` (a text)."""
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[JsonInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

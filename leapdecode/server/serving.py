@@ -14,6 +14,7 @@ Invariants
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from starlette.responses import Response
 
 from leapdecode.engine.llm_engine import KVCapacityError, LLMEngine
 from leapdecode.llm import LLM
+from leapdecode.models.hub import is_repo_id
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import (
@@ -38,19 +40,29 @@ from leapdecode.server.async_engine import (
     StreamOutput,
 )
 from leapdecode.server.metrics import ServerMetrics
-from leapdecode.server.streaming import SSE_DONE, AbortingStreamingResponse, TextDeltas, sse, until_disconnect
+from leapdecode.server.streaming import (
+    SSE_DONE,
+    AbortingStreamingResponse,
+    ChoiceDeltas,
+    ChunkBuilder,
+    Delta,
+    merge_streams,
+    sse,
+    until_disconnect,
+)
 
 MODEL_ALIAS = "default"
 RETRY_AFTER_S = 1
 COMPLETION_ERRORS = (400, 404, 413, 500, 503)  # what the generation routes may answer, documented in /openapi.json
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
-# builds one SSE payload: (text delta, finish reason, first chunk?)
-ChunkBuilder = Callable[[str | None, str | None, bool], dict[str, Any]]
-
 
 def default_model_name(engine: LLMEngine) -> str:
-    """The served name: the model folder's name (or the ``.gguf`` file's stem)."""
+    """The served name: the Hugging Face repo id the model was named by, else the model folder's name (or the
+    ``.gguf`` file's stem)."""
+    asked = str(engine.config.model or "")
+    if is_repo_id(asked) and not Path(asked).exists():
+        return asked.partition("@")[0]
     path = getattr(engine, "model_path", None)
     if not path:
         return "leapdecode"
@@ -151,6 +163,11 @@ class Serving:
                 code="model_not_found",
             )
 
+    def check_token_ids(self, tokens: list[int], param: str) -> None:
+        vocab = self.engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in tokens):
+            raise P.APIError(f"token ids must be in [0, {vocab})", param=param)
+
     def sampling_params(
         self, req: P.ChatCompletionRequest | P.CompletionRequest, n_prompt: int, prompt_param: str
     ) -> SamplingParams:
@@ -209,23 +226,41 @@ class Serving:
             param = "max_tokens" if "max_tokens" in msg else prompt_param
             raise P.APIError(msg, param=param) from None
 
+    async def submit_all(
+        self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], prompt_param: str
+    ) -> list[RequestStream]:
+        """:meth:`submit` each prompt; if one is refused, the ones already submitted are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for (tokens, text), p in zip(prompts, params, strict=True):
+                streams.append(await self.submit(tokens, p, text, prompt_param))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
     @staticmethod
-    def usage(out: StreamOutput) -> P.Usage:
-        m = out.metrics
-        n_out = len(out.token_ids)
+    def usage(finals: list[StreamOutput]) -> P.Usage:
+        """Token counts summed over the prompts of one HTTP request (and over the ``n`` samples of each)."""
+        n_prompt = sum(out.num_prompt_tokens for out in finals)
+        n_out = sum(out.num_output_tokens for out in finals)
+        steps = sum(out.metrics.num_target_steps for out in finals)
+        produced = sum(out.metrics.num_output_tokens for out in finals)
         return P.Usage(
-            prompt_tokens=out.num_prompt_tokens,
+            prompt_tokens=n_prompt,
             completion_tokens=n_out,
-            total_tokens=out.num_prompt_tokens + n_out,
-            num_draft_tokens=m.num_draft_tokens,
-            num_accepted_tokens=m.num_accepted_tokens,
-            mean_accepted_tokens=m.mean_accepted_tokens,
+            total_tokens=n_prompt + n_out,
+            num_draft_tokens=sum(out.metrics.num_draft_tokens for out in finals),
+            num_accepted_tokens=sum(out.metrics.num_accepted_tokens for out in finals),
+            mean_accepted_tokens=produced / steps if steps else 1.0,
         )
 
-    async def collect(self, request: Request, stream: RequestStream) -> StreamOutput | Response:
-        """Wait for the final output; on client disconnect abort and answer 499 (nobody reads it)."""
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[StreamOutput] | Response:
+        """Wait for every stream's final output; on client disconnect abort them all and answer 499 (nobody
+        reads it)."""
 
-        async def last() -> StreamOutput:
+        async def last(stream: RequestStream) -> StreamOutput:
             final = None
             async for out in stream:
                 final = out
@@ -233,7 +268,7 @@ class Serving:
             return final
 
         try:
-            finished, final = await until_disconnect(request, last())
+            finished, finals = await until_disconnect(request, asyncio.gather(*(last(s) for s in streams)))
         except EngineStepError as e:
             self.metrics.observe_error()
             raise P.APIError(str(e), status=500, type="internal_error") from None
@@ -241,65 +276,74 @@ class Serving:
             self.metrics.observe_error()
             raise P.APIError(str(e), status=503, type="server_unavailable") from None
         except RequestAbortedError:
-            finished, final = False, None
+            finished, finals = False, None
+        finally:
+            for stream in streams:  # a no-op for the ones that finished
+                stream.abort()
         if not finished:
-            stream.abort()
             return Response(status_code=499)
-        return final
+        return list(finals)
 
     # --------------------------------------------------------------------------------------------- answers
     def stream_response(
         self,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        n: int,
         chunk: ChunkBuilder,
-        final_usage: Callable[[StreamOutput], dict[str, Any]] | None,
+        usage_chunk: Callable[[P.Usage], BaseModel] | None,
     ) -> Response:
-        """SSE: an opening chunk, one chunk per text delta, a closing chunk with ``finish_reason``, maybe a
-        usage chunk, then ``data: [DONE]``."""
-        deltas = TextDeltas(stream.params.stop_list)
+        """SSE: an opening chunk per choice, one chunk per text delta (the last one with ``finish_reason``), a
+        usage chunk when asked, then ``data: [DONE]``."""
 
-        def payload(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
-            d = chunk(text, reason, first)
-            if final_usage is None:
+        def payload(delta: Delta) -> str:
+            d = chunk(delta)
+            if usage_chunk is None:
                 d.pop("usage", None)  # usage appears in chunks only when stream_options.include_usage asked
-            return d
+            return sse(d)
 
         async def body() -> AsyncIterator[str]:
-            yield sse(payload(None, None, True))
+            for index in range(len(streams) * n):
+                yield payload(Delta(index, None, None, None, 0, first=True))
+            finals: dict[int, StreamOutput] = {}
+            deltas = ChoiceDeltas([s.params.stop_list for s in streams], n)
             try:
-                async for out in stream:
-                    delta = deltas.update(out.text, out.finished)
-                    if delta:
-                        yield sse(payload(delta, None, False))
+                async for k, out in merge_streams(streams):
+                    for delta in deltas.update(k, out):
+                        yield payload(delta)
                     if out.finished:
-                        yield sse(payload(None, out.finish_reason or "stop", False))
-                        if final_usage is not None:
-                            yield sse(final_usage(out))
+                        finals[k] = out
             except (EngineStepError, EngineDeadError) as e:
                 self.metrics.observe_error()
                 yield sse(P.APIError(str(e), status=500, type="internal_error").body())
             except RequestAbortedError:
                 return
+            else:
+                if usage_chunk is not None:
+                    yield sse(usage_chunk(self.usage(list(finals.values()))).model_dump())
             yield SSE_DONE
 
-        return AbortingStreamingResponse(body(), stream.abort, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        def abort_all() -> None:
+            for stream in streams:
+                stream.abort()
+
+        return AbortingStreamingResponse(body(), abort_all, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def respond(
         self,
         request: Request,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        n: int,
         streaming: bool,
         include_usage: bool,
         chunk: ChunkBuilder,
         usage_chunk: Callable[[P.Usage], BaseModel],
-        body: Callable[[StreamOutput], BaseModel],
+        body: Callable[[list[StreamOutput]], BaseModel],
     ) -> Any:
         """The tail both completion routes share: SSE chunks (and a usage-only chunk when asked), or one body
-        once the request finishes."""
+        once every request finished."""
         if streaming:
-            final_usage = (lambda out: usage_chunk(self.usage(out)).model_dump()) if include_usage else None
-            return self.stream_response(stream, chunk, final_usage)
-        final = await self.collect(request, stream)
-        if isinstance(final, Response):
-            return final
-        return body(final).model_dump()
+            return self.stream_response(streams, n, chunk, usage_chunk if include_usage else None)
+        finals = await self.collect(request, streams)
+        if isinstance(finals, Response):
+            return finals
+        return body(finals).model_dump()

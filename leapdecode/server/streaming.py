@@ -14,10 +14,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+
+from leapdecode.server.async_engine import ChoiceSnapshot, RequestStream, StreamOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -43,6 +46,70 @@ class TextDeltas:
         delta = text[len(self.sent) : upto]
         self.sent = text[:upto]
         return delta
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one streamed chunk carries for choice ``index``: new ``text`` (None on the opening chunk), the
+    ``finish_reason`` on the choice's last chunk, and the ``choice`` snapshot whose tokens from ``tokens_from``
+    on are new since the previous chunk of this choice."""
+
+    index: int
+    text: str | None
+    finish_reason: str | None
+    choice: ChoiceSnapshot | None
+    tokens_from: int
+    first: bool = False
+
+
+# builds one SSE payload from a delta
+ChunkBuilder = Callable[[Delta], dict[str, Any]]
+
+
+class ChoiceDeltas:
+    """The deltas of every choice of one answer: choice ``j`` of prompt ``k`` is choice ``k * n + j``. Each choice
+    has its own :class:`TextDeltas`; its last delta carries its ``finish_reason`` and nothing follows it."""
+
+    def __init__(self, stop_lists: list[list[str]], n: int) -> None:
+        self.n = n
+        self.texts = [TextDeltas(stops) for stops in stop_lists for _ in range(n)]
+        self.tokens_sent = [0] * len(self.texts)
+        self.closed = [False] * len(self.texts)
+
+    def update(self, k: int, out: StreamOutput) -> list[Delta]:
+        """The deltas snapshot ``out`` of prompt ``k`` adds."""
+        deltas = []
+        for c in out.choices:
+            index = k * self.n + c.index
+            if self.closed[index]:
+                continue
+            text = self.texts[index].update(c.text, c.finished)
+            if text or c.finished:
+                deltas.append(Delta(index, text, c.finish_reason, c, self.tokens_sent[index]))
+                self.tokens_sent[index] = len(c.token_ids)
+                self.closed[index] = c.finished
+        return deltas
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """``(k, snapshot)`` from the ``k``-th stream, in the order they arrive, until every stream has finished; an
+    error of any stream propagates."""
+    pending = {asyncio.ensure_future(anext(s)): k for k, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                k = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield k, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[k]))] = k
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 class AbortingStreamingResponse(StreamingResponse):

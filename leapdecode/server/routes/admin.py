@@ -1,4 +1,4 @@
-"""Routes around generation: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``."""
+"""Routes around generation: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``, ``GET /version``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import leapdecode
 from leapdecode.server import protocol as P
 from leapdecode.server.openapi import route
 from leapdecode.server.serving import Serving
@@ -30,7 +31,11 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         card = P.ModelCard(
             id=serving.name,
             created=serving.created,
-            root=str(getattr(engine, "model_path", None) or serving.name),
+            root=serving.name,  # never the model's file-system path
             max_model_len=engine.max_model_len,
         )
         return P.ModelList(data=[card]).model_dump()
+
+    @route(app, "GET", "/version", response_model=P.VersionResponse)
+    async def version() -> dict[str, Any]:
+        return P.VersionResponse(version=leapdecode.__version__).model_dump()

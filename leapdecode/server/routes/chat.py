@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from leapdecode.server import protocol as P
+from leapdecode.server.async_engine import StreamOutput
 from leapdecode.server.openapi import route
 from leapdecode.server.serving import COMPLETION_ERRORS, Serving, not_unicode
+from leapdecode.server.streaming import Delta
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
@@ -28,38 +30,41 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             why = not_unicode([m["content"] for m in req.conversation()]) or str(e)
             raise P.APIError(f"could not apply the chat template: {why}", param="messages") from None
         params = serving.sampling_params(req, len(tokens), "messages")
-        stream = await serving.submit(tokens, params, None, "messages")
+        streams = await serving.submit_all([(tokens, None)], [params], "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
+        n = req.n or 1
 
-        def chunk(text: str | None, reason: str | None, first: bool) -> dict[str, Any]:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
+        def chunk(delta: Delta) -> dict[str, Any]:
+            content: dict[str, Any] = {"role": "assistant", "content": ""} if delta.first else {}
+            if delta.text:
+                content["content"] = delta.text
             d = P.ChatCompletionChunk(
                 id=rid,
                 created=ts,
                 model=name,
-                choices=[P.ChatChunkChoice(delta=P.ChatDelta(), finish_reason=reason)],
+                choices=[P.ChatChunkChoice(index=delta.index, delta=P.ChatDelta(), finish_reason=delta.finish_reason)],
             ).model_dump()
-            d["choices"][0]["delta"] = delta
+            d["choices"][0]["delta"] = content
             return d
+
+        def body(finals: list[StreamOutput]) -> P.ChatCompletionResponse:
+            choices = [
+                P.ChatChoice(
+                    index=c.index, message=P.ChatResponseMessage(content=c.text), finish_reason=c.finish_reason
+                )
+                for c in finals[0].choices
+            ]
+            return P.ChatCompletionResponse(
+                id=rid, created=ts, model=name, usage=serving.usage(finals), choices=choices
+            )
 
         return await serving.respond(
             request,
-            stream,
+            streams,
+            n,
             bool(req.stream),
             req.include_usage(),
             chunk,
             lambda u: P.ChatCompletionChunk(id=rid, created=ts, model=name, choices=[], usage=u),
-            lambda final: P.ChatCompletionResponse(
-                id=rid,
-                created=ts,
-                model=name,
-                usage=serving.usage(final),
-                choices=[
-                    P.ChatChoice(
-                        message=P.ChatResponseMessage(content=final.text), finish_reason=final.finish_reason
-                    )
-                ],
-            ),
+            body,
         )
