@@ -124,6 +124,9 @@ def test_tokenize_detokenize_version(server: str, llm: LLM) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         assert h.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
         assert h.get("/version").json() == {"version": leapdecode.__version__}
+        info = h.get("/tokenizer_info").json()
+        assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+        assert info["model_max_length"] == llm.engine.max_model_len
 
 
 def test_completions_take_a_batch_of_prompts_and_token_ids(server: str, llm: LLM, refs: dict[str, str]) -> None:

@@ -97,6 +97,7 @@ OPERATIONS = [
     ("GET", "/metrics"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
     ("GET", "/version"),
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]

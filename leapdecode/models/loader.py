@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -453,10 +454,13 @@ def load_tokenizer(path: Path):
     return _gguf_tokenizer(path)
 
 
-def chat_token_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def chat_token_ids(
+    tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
-    transformers return a BatchEncoding here, older ones a list)."""
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    transformers return a BatchEncoding here, older ones a list). ``tools``: OpenAI-style function definitions the
+    template may show the model."""
+    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

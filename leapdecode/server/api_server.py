@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app: :func:`build_app` (``leapdecode serve`` runs it, see :mod:`.serve`).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both non-streaming and SSE streaming),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``
-(Prometheus). The model answers to its own name and to
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``,
+``GET /health``, ``GET /metrics`` (Prometheus). The model answers to its own name and to
 ``default``. All requests share one engine loop (see :mod:`leapdecode.server.async_engine`); the routes live in
 :mod:`leapdecode.server.routes`, their shared plumbing in :mod:`leapdecode.server.serving`, the streaming
 invariants in :mod:`leapdecode.server.streaming`. A 500 means a server bug.
@@ -98,7 +98,7 @@ def build_app(
             (m, "serialization")
             for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
         ]
-        + [(m, "serialization") for m in (P.DetokenizeResponse, P.VersionResponse)]
+        + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
         + [(P.ErrorResponse, "serialization")],
     )
     return app

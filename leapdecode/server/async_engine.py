@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leapdecode.engine.llm_engine import LLMEngine
-from leapdecode.outputs import RequestMetrics, RequestOutput
+from leapdecode.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
 logger = logging.getLogger("leapdecode.server")
@@ -57,13 +57,15 @@ class EngineStepError(Exception):
 
 @dataclass(frozen=True)
 class ChoiceSnapshot:
-    """One completion of a request (``n`` > 1 gives several) at one moment; ``text`` is cumulative."""
+    """One completion of a request (``n`` > 1 gives several) at one moment; ``text`` is cumulative, and so are
+    ``logprobs`` (one entry per token of ``token_ids``, when the request asked for them)."""
 
     index: int
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: str | int | None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +84,7 @@ class StreamOutput:
     prompt_token_ids: tuple[int, ...]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +103,7 @@ class StreamOutput:
                 token_ids=tuple(c.token_ids),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                logprobs=None if c.logprobs is None else tuple(c.logprobs),  # the engine's list keeps growing
             )
             for c in out.outputs
         )
@@ -109,6 +113,7 @@ class StreamOutput:
             prompt_token_ids=tuple(out.prompt_token_ids),
             finished=out.finished,
             metrics=dataclasses.replace(out.metrics),  # the engine keeps mutating its own copy
+            prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         )
 
 

@@ -169,9 +169,10 @@ class Serving:
             raise P.APIError(f"token ids must be in [0, {vocab})", param=param)
 
     def sampling_params(
-        self, req: P.ChatCompletionRequest | P.CompletionRequest, n_prompt: int, prompt_param: str
+        self, req: P.ChatCompletionRequest | P.CompletionRequest, n_prompt: int, prompt_param: str, **extra: Any
     ) -> SamplingParams:
-        """``req``'s ``SamplingParams`` for a prompt of ``n_prompt`` tokens; what cannot fit the context is a 400."""
+        """``req``'s ``SamplingParams`` for a prompt of ``n_prompt`` tokens (``extra``: fields the route sets); what
+        cannot fit the context is a 400."""
         max_len = self.engine.max_model_len
         if n_prompt == 0:
             raise P.APIError("the prompt is empty", param=prompt_param)
@@ -191,11 +192,12 @@ class Serving:
         vocab = self.engine.model_config.vocab_size
         if req.top_k is not None and req.top_k > vocab:
             raise P.APIError(f"top_k must be -1 or in [1, {vocab}], got {req.top_k}", param="top_k")
+        self.check_token_ids(list(req.token_bias() or ()), "logit_bias")
         bm = self.engine.block_manager
         capacity = bm.num_blocks * bm.block_size
         default_max = max(1, min(max_len, capacity) - n_prompt)
         try:
-            return req.to_sampling_params(default_max)
+            return req.to_sampling_params(default_max, **extra)
         except ValueError as e:
             m = _PARAM_RE.search(str(e))
             raise P.APIError(str(e), param=m.group(1) if m else None) from None
@@ -295,21 +297,25 @@ class Serving:
         """SSE: an opening chunk per choice, one chunk per text delta (the last one with ``finish_reason``), a
         usage chunk when asked, then ``data: [DONE]``."""
 
-        def payload(delta: Delta) -> str:
+        def payload(delta: Delta) -> str | None:
             d = chunk(delta)
+            if d is None:  # nothing to send for this delta (e.g. a tool call still being generated)
+                return None
             if usage_chunk is None:
                 d.pop("usage", None)  # usage appears in chunks only when stream_options.include_usage asked
             return sse(d)
 
         async def body() -> AsyncIterator[str]:
             for index in range(len(streams) * n):
-                yield payload(Delta(index, None, None, None, 0, first=True))
+                if (event := payload(Delta(index, None, None, None, 0, first=True))) is not None:
+                    yield event
             finals: dict[int, StreamOutput] = {}
             deltas = ChoiceDeltas([s.params.stop_list for s in streams], n)
             try:
                 async for k, out in merge_streams(streams):
                     for delta in deltas.update(k, out):
-                        yield payload(delta)
+                        if (event := payload(delta)) is not None:
+                            yield event
                     if out.finished:
                         finals[k] = out
             except (EngineStepError, EngineDeadError) as e:

@@ -51,8 +51,8 @@ class TextDeltas:
 @dataclass(frozen=True)
 class Delta:
     """What one streamed chunk carries for choice ``index``: new ``text`` (None on the opening chunk), the
-    ``finish_reason`` on the choice's last chunk, and the ``choice`` snapshot whose tokens from ``tokens_from``
-    on are new since the previous chunk of this choice."""
+    ``finish_reason`` on the choice's last chunk, and the ``choice`` snapshot (of ``output``) whose tokens from
+    ``tokens_from`` on are new since the previous chunk of this choice (``tokens_from`` is 0 on its first)."""
 
     index: int
     text: str | None
@@ -60,10 +60,11 @@ class Delta:
     choice: ChoiceSnapshot | None
     tokens_from: int
     first: bool = False
+    output: StreamOutput | None = None
 
 
-# builds one SSE payload from a delta
-ChunkBuilder = Callable[[Delta], dict[str, Any]]
+# builds one SSE payload from a delta (None: send nothing for it)
+ChunkBuilder = Callable[[Delta], dict[str, Any] | None]
 
 
 class ChoiceDeltas:
@@ -85,7 +86,7 @@ class ChoiceDeltas:
                 continue
             text = self.texts[index].update(c.text, c.finished)
             if text or c.finished:
-                deltas.append(Delta(index, text, c.finish_reason, c, self.tokens_sent[index]))
+                deltas.append(Delta(index, text, c.finish_reason, c, self.tokens_sent[index], output=out))
                 self.tokens_sent[index] = len(c.token_ids)
                 self.closed[index] = c.finished
         return deltas

@@ -45,6 +45,9 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class XGrammarBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -58,8 +61,8 @@ class XGrammarBackend(StructuredOutputBackend):
         c = self._compiler
         if kind == "json":
             return c.compile_json_schema(spec)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+        if kind == "json_object":  # any JSON object (the builtin JSON grammar would also take arrays and scalars)
+            return c.compile_json_schema(JSON_OBJECT_SCHEMA)
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":

@@ -1,4 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): the model's tokenizer, and its chat template."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes): the model's tokenizer, and
+its chat template."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         serving.check_token_ids(req.tokens, "tokens")
         text = await asyncio.to_thread(tokenizer.decode, req.tokens)
         return P.DetokenizeResponse(prompt=text).model_dump()
+
+    @route(app, "GET", "/tokenizer_info", response_model=P.TokenizerInfoResponse)
+    async def tokenizer_info() -> dict[str, Any]:
+        def special(name: str) -> str | None:
+            value = getattr(tokenizer, name, None)
+            return value if isinstance(value, str) else None
+
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        info = P.TokenizerInfoResponse(
+            tokenizer_class=type(tokenizer).__name__,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            pad_token=special("pad_token"),
+            unk_token=special("unk_token"),
+            chat_template=template,
+            model_max_length=serving.engine.max_model_len,
+        )
+        return info.model_dump()
