@@ -120,7 +120,8 @@ def test_logprobs_identical_with_speculation(method, tiny_model_dir, plain, hf):
     """Greedy: same tokens and same entries (to float tolerance); sampled: every entry is HF's log-probability
     of the speculatively emitted token at its position."""
     cfg = {"method": method, "use_cost_model": False}
-    cfg.update({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {"model": str(tiny_model_dir)})
+    cfg.update({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram"
+               else {"model": str(tiny_model_dir)})
     spec = LLM.from_engine_of(plain, speculative_config=cfg)
     greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
     want = plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)

@@ -128,7 +128,8 @@ PROCESSED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_is_lossless_with_processors_greedy(method, tiny_model_dir, plain):
     cfg = {"method": method, "use_cost_model": False}
-    cfg.update({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {"model": str(tiny_model_dir)})
+    cfg.update({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram"
+               else {"model": str(tiny_model_dir)})
     spec = LLM.from_engine_of(plain, speculative_config=cfg)
     params = [SamplingParams(temperature=0, max_tokens=30, **PROCESSED),
               SamplingParams(temperature=0, max_tokens=30, presence_penalty=-1.5, ignore_eos=True),
