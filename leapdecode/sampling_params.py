@@ -26,13 +26,16 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``: a regular expression
     the whole output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF grammar (GBNF
-    syntax, root rule ``root``)."""
+    syntax, root rule ``root``). ``disable_any_whitespace`` (JSON schemas): no free whitespace between JSON
+    tokens, the fixed separators ``", "`` and ``": "`` instead; small models otherwise may emit whitespace
+    forever."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -53,8 +56,9 @@ class StructuredOutputsParams:
                 raise bad("json", "must be a JSON schema object")
         elif self.json is not None and not isinstance(self.json, dict):
             raise bad("json", "must be a JSON schema (a dict or JSON text)")
-        if not isinstance(self.json_object, bool):
-            raise bad("json_object", "must be a bool")
+        for flag in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "must be a bool")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise bad("regex", "must be a non-empty string")
         if self.choice is not None and (
@@ -72,8 +76,10 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """A hashable identity (kind, spec) for caching compiled grammars."""
         kind = self.kind
-        if kind == "json":
-            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if kind == "json" and self.disable_any_whitespace:
+            kind = "json_compact"
+        if kind in ("json", "json_compact"):
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)  # property order matters
         elif kind == "choice":
             spec = json.dumps(list(self.choice or []))
         elif kind == "json_object":

@@ -1,7 +1,8 @@
 """Structured output through xgrammar (docs/sampling.md says why this engine).
 
-JSON schemas, any-JSON-object, regular expressions and EBNF grammars compile with xgrammar's compiler; ``choice``
-becomes an EBNF alternation of JSON-escaped string literals. Compiled grammars are cached by their spec.
+JSON schemas, any JSON object (the schema ``{"type": "object"}``), regular expressions and EBNF grammars compile
+with xgrammar's compiler; ``choice`` becomes an EBNF alternation of JSON-escaped string literals. Compiled
+grammars are cached by their spec.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import xgrammar as xgr
 from leapdecode.sampling_params import StructuredOutputsParams
 from leapdecode.structured.base import GrammarMatcher, StructuredOutputBackend, bitmask_to_bool
 
-MAX_ROLLBACK = 64  # tokens a matcher can undo: more than any draft chain or tree path
+UNLIMITED_ROLLBACK = -1  # a matcher undoes any number of tokens (drafts of any length)
 CACHE_ENTRIES = 64
 
 
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, compiled: Any, vocab_size: int, shifts: torch.Tensor) -> None:
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
+        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=UNLIMITED_ROLLBACK)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._vocab = vocab_size
         self._shifts = shifts
@@ -45,9 +46,6 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-
-
 class XGrammarBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -59,10 +57,10 @@ class XGrammarBackend(StructuredOutputBackend):
     def _compile(self, params: StructuredOutputsParams) -> Any:
         kind, spec = params.key()
         c = self._compiler
-        if kind == "json":
-            return c.compile_json_schema(spec)
-        if kind == "json_object":  # any JSON object (the builtin JSON grammar would also take arrays and scalars)
-            return c.compile_json_schema(JSON_OBJECT_SCHEMA)
+        if kind in ("json", "json_compact"):
+            return c.compile_json_schema(spec, any_whitespace=kind == "json")
+        if kind == "json_object":  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+            return c.compile_json_schema('{"type": "object"}')
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":
