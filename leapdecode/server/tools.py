@@ -3,13 +3,14 @@ generation (``StructuredOutputsParams``).
 
 * ``response_format``: ``{"type": "text"}`` (nothing), ``{"type": "json_object"}`` (any JSON object) or
   ``{"type": "json_schema", "json_schema": {"name", "schema"}}`` (JSON valid against the schema).
-* ``structured_outputs`` (vLLM's extension): exactly one of ``json``, ``regex``, ``choice``, ``grammar``.
+* ``structured_outputs`` (vLLM's extension): exactly one of ``json``, ``regex``, ``choice``, ``grammar`` (and
+  ``disable_any_whitespace`` for compact JSON).
 * ``tools`` + ``tool_choice``: ``"required"`` constrains the output to a JSON list of one or more calls
   ``[{"name": <a tool's name>, "parameters": <its parameters>}]``; a named function (``{"type": "function",
-  "function": {"name"}}``) constrains it to that function's parameters. Either way the answer carries them as
-  ``tool_calls`` with ``finish_reason: "tool_calls"``. ``"none"`` generates text. ``"auto"`` (the default when
-  ``tools`` are given) would need the model's own tool-call syntax, which is model-specific: it is refused with a
-  400 that says what to send instead, never silently treated as text.
+  "function": {"name"}}``) constrains it to that function's parameters (compact JSON either way). The answer
+  carries them as ``tool_calls`` with ``finish_reason: "tool_calls"``. ``"none"`` generates text. ``"auto"`` (the
+  default when ``tools`` are given) would need the model's own tool-call syntax, which is model-specific: it is
+  refused with a 400 that says what to send instead, never silently treated as text.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class StructuredOutputsRequest(BaseModel):
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class FunctionCall(BaseModel):
@@ -109,7 +111,13 @@ def response_format_params(fmt: ResponseFormat) -> StructuredOutputsParams | Non
 
 
 def structured_outputs_params(req: StructuredOutputsRequest) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=req.json_, regex=req.regex, choice=req.choice, grammar=req.grammar)
+    return StructuredOutputsParams(
+        json=req.json_,
+        regex=req.regex,
+        choice=req.choice,
+        grammar=req.grammar,
+        disable_any_whitespace=req.disable_any_whitespace,
+    )
 
 
 def chosen_tool(tools: list[Tool], choice: ToolChoice | None) -> Tool | Literal["required"] | None:
@@ -134,6 +142,12 @@ def chosen_tool(tools: list[Tool], choice: ToolChoice | None) -> Tool | Literal[
             return tool
     names = ", ".join(t.function.name for t in tools)
     raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools ({names})")
+
+
+def tool_constraint(tools: list[Tool], chosen: Tool | Literal["required"]) -> StructuredOutputsParams:
+    """The engine constraint of a tool call: its JSON schema, written compactly (no free whitespace, which a small
+    model may otherwise emit forever; the arguments are handed on as JSON text anyway)."""
+    return StructuredOutputsParams(json=tool_call_schema(tools, chosen), disable_any_whitespace=True)
 
 
 def tool_call_schema(tools: list[Tool], chosen: Tool | Literal["required"]) -> dict[str, Any]:

@@ -13,14 +13,13 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 
-from leapdecode.sampling_params import StructuredOutputsParams
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import ChoiceSnapshot, StreamOutput
 from leapdecode.server.logprobs import ChatLogprobs, LogprobFormatter
 from leapdecode.server.openapi import route
 from leapdecode.server.serving import COMPLETION_ERRORS, Serving, not_unicode
 from leapdecode.server.streaming import Delta
-from leapdecode.server.tools import Tool, ToolCall, parse_tool_calls, tool_call_schema
+from leapdecode.server.tools import Tool, ToolCall, parse_tool_calls, tool_constraint
 
 ToolConstraint = Tool | Literal["required"] | None
 
@@ -59,7 +58,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         tokens = await encode(req)
         extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
         if tool is not None:
-            extra["structured_outputs"] = StructuredOutputsParams(json=tool_call_schema(req.tools or [], tool))
+            extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
         params = serving.sampling_params(req, len(tokens), "messages", **extra)
         streams = await serving.submit_all([(tokens, None)], [params], "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
