@@ -451,6 +451,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
     (
         "/v1/chat/completions",
+        {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
         {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
         400,
         "tool_choice",

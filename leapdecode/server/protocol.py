@@ -291,9 +291,8 @@ class ChatCompletionRequest(_SamplingRequest):
             chosen = chosen_tool(self.tools or [], self.tool_choice)
         except ValueError as e:
             raise APIError(str(e), param="tool_choice") from None
-        if chosen is not None and (self.response_format is not None or self.structured_outputs is not None):
-            if self.response_format is None or self.response_format.type != "text":
-                raise APIError("a tool call cannot also follow a response_format", param="tool_choice")
+        if chosen is not None and self.structured() is not None:
+            raise APIError("a tool call cannot also follow response_format or structured_outputs", param="tool_choice")
         return chosen
 
     def conversation(self) -> list[dict[str, Any]]:
