@@ -214,9 +214,9 @@ def add_cli(sub: Any) -> None:
         help="OpenAI-compatible HTTP server (chat/completions, SSE streaming, /metrics)",
         description=(
             "Serve the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, /v1/completions "
-            "(streaming and not), /tokenize, /detokenize, GET /v1/models, /version, /health and /metrics "
-            "(Prometheus). All requests share one continuously batched engine. The model answers to its own name "
-            "and to 'default'. Per request, \"speculative\": false opts out of speculative decoding."
+            "(streaming and not), /tokenize, /detokenize, GET /v1/models, /tokenizer_info, /version, /health and "
+            "/metrics (Prometheus). All requests share one continuously batched engine. The model answers to its own "
+            "name and to 'default'. Per request, \"speculative\": false opts out of speculative decoding."
         ),
         epilog=EPILOG,
     )
