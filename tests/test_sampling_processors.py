@@ -238,7 +238,7 @@ def test_tree_verification_applies_the_processors_along_each_path(plain, tmp_pat
         "num_speculative_tokens": 3, "min_draft_prob": 0.0, "branches": 2})
     kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.95, seed=5)]
     for kw in kinds:
-        p = SamplingParams(max_tokens=24, logprobs=1, **kw, **PROCESSED)
+        p = SamplingParams(max_tokens=16, logprobs=1, **kw, **PROCESSED)
         want = plain.generate(SPEC_PROMPTS, p, use_tqdm=False)
         got = spec.generate(SPEC_PROMPTS, p, use_tqdm=False)
         assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
@@ -254,7 +254,7 @@ def test_tree_verification_applies_the_processors_along_each_path(plain, tmp_pat
     from leapdecode import StructuredOutputsParams
 
     so = StructuredOutputsParams(regex=r"[^0-9e]{1,400}")
-    p = SamplingParams(temperature=0, max_tokens=24, structured_outputs=so)
+    p = SamplingParams(temperature=0, max_tokens=16, structured_outputs=so)
     want = plain.generate(SPEC_PROMPTS, p, use_tqdm=False)
     got = spec.generate(SPEC_PROMPTS, p, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]

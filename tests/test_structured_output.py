@@ -138,7 +138,7 @@ def test_speculation_composes_with_the_grammar(method, tiny_model_dir, plain):
 
 
 def test_sampled_choice_has_the_same_distribution_with_speculation(plain):
-    """Chi-square over which choice 200 seeded requests pick, plain vs prompt lookup (whose drafts come from the
+    """Chi-square over which choice 150 seeded requests pick, plain vs prompt lookup (whose drafts come from the
     prompt, where the choices' tokens appear, so drafts inside a choice are accepted)."""
     from scipy.stats import chi2_contingency
 
@@ -150,8 +150,8 @@ def test_sampled_choice_has_the_same_distribution_with_speculation(plain):
 
     def picks(llm: LLM, seed0: int) -> tuple[list[int], int]:
         params = [SamplingParams(temperature=1.0, max_tokens=40, seed=seed0 + i, structured_outputs=so)
-                  for i in range(200)]
-        outs = llm.generate([prompt] * 200, params, use_tqdm=False)
+                  for i in range(150)]
+        outs = llm.generate([prompt] * 150, params, use_tqdm=False)
         return [choices.index(o.outputs[0].text) for o in outs], sum(o.metrics.num_accepted_tokens for o in outs)
 
     a, _ = picks(plain, 0)
