@@ -101,6 +101,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in order, each with ``SamplingParams.n`` completions."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._tokenize(p) for p in prompts]

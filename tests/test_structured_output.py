@@ -135,3 +135,29 @@ def test_speculation_composes_with_the_grammar(method, tiny_model_dir, plain):
             for c in o.outputs:
                 assert json.loads(c.text)["color"] in ("red", "green", "blue")
     assert_no_leaks(spec)
+
+
+def test_sampled_choice_has_the_same_distribution_with_speculation(plain):
+    """Chi-square over which choice 150 seeded requests pick, plain vs prompt lookup (whose drafts come from the
+    prompt, where the choices' tokens appear, so drafts inside a choice are accepted)."""
+    from scipy.stats import chi2_contingency
+
+    spec = LLM.from_engine_of(plain, speculative_config={"method": "ngram", "use_cost_model": False,
+                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    choices = ["apple pie with cream", "banana split", "cherry tart and tea"]
+    prompt = "apple pie with cream, banana split, cherry tart and tea. " * 2
+    so = StructuredOutputsParams(choice=choices)
+
+    def picks(llm: LLM, seed0: int) -> tuple[list[int], int]:
+        params = [SamplingParams(temperature=1.0, max_tokens=40, seed=seed0 + i, structured_outputs=so)
+                  for i in range(150)]
+        outs = llm.generate([prompt] * 150, params, use_tqdm=False)
+        return [choices.index(o.outputs[0].text) for o in outs], sum(o.metrics.num_accepted_tokens for o in outs)
+
+    a, _ = picks(plain, 0)
+    b, accepted = picks(spec, 10_000)
+    assert accepted > 0
+    table = [[a.count(i) for i in range(3)], [b.count(i) for i in range(3)]]
+    table = [[r[i] for i in range(3) if table[0][i] + table[1][i] > 0] for r in table]
+    assert len(table[0]) >= 2 and chi2_contingency(table).pvalue > 1e-3, table
+    assert_no_leaks(spec)

@@ -91,6 +91,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
+        self._token_texts: dict[int, str] = {}  # decode_token's cache
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
                       "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
@@ -308,10 +309,13 @@ class LLMEngine:
         seq.prompt_logprobs[start + 1 : start + 1 + m] = entries
 
     def decode_token(self, token_id: int) -> str | None:
-        """One token's text for log-probability entries (special tokens included)."""
+        """One token's text for log-probability entries (special tokens included), cached per id."""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _emit(
         self,
