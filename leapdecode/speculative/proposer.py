@@ -143,8 +143,9 @@ class Proposer(ABC):
         self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[list[int], int] | None:
         """A drafter with its own acceptance rule verifies its chain here: ``logits`` [len(drafts) + 1, vocab]
-        are the target's (repetition penalty applied) at the drafts' positions; returns (emitted tokens, drafts
-        accepted). Default ``None``: the engine's lossless verification (greedy match / rejection sampling)."""
+        are the target's (the request's logits processors applied) at the drafts' positions; returns (emitted
+        tokens, drafts accepted). Default ``None``: the engine's lossless verification (greedy match /
+        rejection sampling)."""
         return None
 
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:

@@ -18,7 +18,7 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
-from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs
+from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
 from leapdecode.speculative.acceptance import (
     verify_greedy,
     verify_sampling,
@@ -348,22 +348,26 @@ class Speculator:
         if "ngram" in self.proposers:
             self.state(seq, "ngram").acceptance_ema = hit_rate
 
-    def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int]:
-        """Emitted tokens and the number of drafts accepted, from the target logits at the drafts' positions;
-        then the one bookkeeping path for chains and trees: metrics, the drafter's γ (chains), the drafter's own
-        roll-back (``on_verified``) and the row whose hidden state the drafters observe next."""
+    def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor]:
+        """Emitted tokens, the number of drafts accepted and the processed logits of the rows the emitted tokens
+        were drawn at (for log-probabilities), from the target logits at the drafts' positions with the request's
+        processors applied at each (the tokens before a position include the drafts before it); then the one
+        bookkeeping path for chains and trees: metrics, the drafter's γ (chains), the drafter's own roll-back
+        (``on_verified``) and the row whose hidden state the drafters observe next."""
         t0 = time.perf_counter()
         st = seq.draft_state
         assert st.method is not None, "verify() of a sequence that did not draft"
         prop = self.proposers[st.method]
         drafted = len(seq.draft_token_ids)
         if st.tree_parents is not None:
-            tokens, path = self._walk_tree(seq, res, prop, st.tree_parents)
+            tokens, path, logits = self._walk_tree(seq, res, prop, st.tree_parents)
             self._compact(seq, path)
             accepted, hidden_row = len(path), (path[-1] + 1 if path else 0)
+            drawn = logits[[0] + [i + 1 for i in path]]
         else:
-            tokens, accepted = self._walk_chain(seq, res, prop)
+            tokens, accepted, logits = self._walk_chain(seq, res, prop)
             path, hidden_row = list(range(accepted)), accepted
+            drawn = logits[: len(tokens)]
             self.gamma.update(self.state(seq, st.method), drafted, accepted)
         m = seq.metrics
         m.num_draft_tokens += drafted
@@ -372,43 +376,58 @@ class Speculator:
         prop.on_verified(seq, seq.num_tokens, accepted)
         st.hidden_row = hidden_row
         self.verify_s = self._ema(self.verify_s, time.perf_counter() - t0)
-        return tokens, accepted
+        return tokens, accepted, drawn
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.view.generator
 
-    def _walk_chain(self, seq: Sequence, res: ForwardResult, prop: Proposer) -> tuple[list[int], int]:
+    def _walk_chain(
+        self, seq: Sequence, res: ForwardResult, prop: Proposer
+    ) -> tuple[list[int], int, torch.Tensor]:
         """A chain: the drafter's own acceptance rule where it has one (blockwise), else greedy match or
-        rejection sampling (acceptance.py)."""
+        rejection sampling (acceptance.py). Also returns the processed logits of every row."""
         drafts = seq.draft_token_ids
         k = len(drafts)
-        contexts = [seq.token_ids + drafts[:j] for j in range(k + 1)]
-        logits = apply_repetition_penalty(res.logits, contexts, [seq.params.repetition_penalty] * (k + 1))
+        logits = res.logits
+        if seq.params.has_processors:
+            masks = seq.grammar.masks_along(drafts) if seq.grammar is not None else [None] * (k + 1)
+            rows = [RowContext(seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens, seq.stop_ids, masks[j])
+                    for j in range(k + 1)]
+            logits = apply_processors(logits, rows)
         own = prop.verify_chain(seq, logits, self._generator(seq))
         if own is not None:
-            return own
+            return own[0], own[1], logits
         if seq.params.greedy:
-            return verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+            return (*verify_greedy(logits.argmax(dim=-1).tolist(), drafts), logits)
         p = processed_probs(logits, [seq.params] * (k + 1))
-        return verify_sampling(p, drafts, seq.draft_probs, self._generator(seq))
+        return (*verify_sampling(p, drafts, seq.draft_probs, self._generator(seq)), logits)
 
     def _walk_tree(self, seq: Sequence, res: ForwardResult, prop: Proposer,
-                   parents: list[int]) -> tuple[list[int], list[int]]:
-        """A tree: (emitted tokens, accepted node indices along the path) by the tree walk (acceptance.py)."""
+                   parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+        """A tree: (emitted tokens, accepted node indices along the path, processed logits of every row) by the
+        tree walk (acceptance.py)."""
         drafts = seq.draft_token_ids
         n = len(drafts)
-        pen = seq.params.repetition_penalty
         logits = res.logits
-        if pen != 1.0:
-            contexts = [seq.token_ids] + [seq.token_ids + [drafts[j] for j in path_to(i, parents)] for i in range(n)]
-            logits = apply_repetition_penalty(logits, contexts, [pen] * (n + 1))
+        if seq.params.has_processors:
+            paths = [[drafts[j] for j in path_to(i, parents)] for i in range(n)]
+            masks: list[torch.Tensor | None] = [None] * (n + 1)
+            if seq.grammar is not None:
+                masks[0] = seq.grammar.allowed_tokens()
+                for i in range(n):  # parents come before their children: a node unreachable under the grammar
+                    mask = seq.grammar.mask_after(paths[i])  # keeps its parent's mask (never used)
+                    masks[i + 1] = mask if mask is not None else masks[parents[i] + 1]
+            rows = [RowContext(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_ids, masks[0])]
+            rows += [RowContext(seq.params, seq.token_ids + paths[i], seq.num_prompt_tokens, seq.stop_ids,
+                                masks[i + 1]) for i in range(n)]
+            logits = apply_processors(logits, rows)
         if seq.params.greedy:
-            return verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+            return (*verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents), logits)
         p = processed_probs(logits, [seq.params] * (n + 1))
         typical = prop.tree_acceptance()
         if typical is not None:  # lossy opt-in
-            return verify_tree_typical(p, drafts, parents, self._generator(seq), *typical)
-        return verify_tree_sampling(p, drafts, parents, self._generator(seq))
+            return (*verify_tree_typical(p, drafts, parents, self._generator(seq), *typical), logits)
+        return (*verify_tree_sampling(p, drafts, parents, self._generator(seq)), logits)
 
     def _compact(self, seq: Sequence, path: list[int]) -> None:
         """Move the accepted nodes' K/V into the sequential slots of their positions; the engine then advances
