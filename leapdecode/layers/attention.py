@@ -263,7 +263,8 @@ def _paged_attention(
         # few-row groups (decode, drafts, trees) in one C++ call, each row alone: bit-identical across batchings
         kernel_rows = meta.kernel_rows()
     triton_rows = meta.triton_rows(q.device) if kernel_rows is None and triton_attention.applies(q, k_cache) else None
-    if kernel_rows is None and triton_rows is None and q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and groups[0].split is None:
+    one_token = q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and groups[0].split is None
+    if kernel_rows is None and triton_rows is None and one_token:
         return _decode_one(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
