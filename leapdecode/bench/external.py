@@ -14,14 +14,15 @@ from leapdecode.bench.rows import Row, median
 from leapdecode.threads import available_cpus
 
 
-def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
+def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device,
+           dtype: torch.dtype = torch.float32) -> Row:
+    """HF ``generate`` one prompt at a time, in ``dtype`` (the engine's, so a GPU compares bfloat16 with bfloat16)."""
     from transformers import AutoModelForCausalLM
 
     if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     model = model.to(device).eval()
     tps, tpot, ttft, toks = [], [], [], []
     with torch.inference_mode():
