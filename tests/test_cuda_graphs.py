@@ -30,6 +30,14 @@ def item(start: int, tokens: list[int], table: list[int] | None = None, **kw) ->
     return ForwardItem(table or list(range(8)), start, tokens, list(range(len(tokens))), **kw)
 
 
+def test_wanted():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cg.wanted(cuda, False, None) == ta.AVAILABLE
+    assert not cg.wanted(cpu, False, None)
+    assert not cg.wanted(cuda, True, None)  # enforce_eager
+    assert not cg.wanted(cuda, False, 4)  # the host layer tier
+
+
 def test_bucket():
     assert [cg.bucket(n, SIZES) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
 

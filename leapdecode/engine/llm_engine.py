@@ -16,7 +16,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
-from leapdecode.layers import small_gemm, triton_attention
+from leapdecode.layers import small_gemm
 from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs, sample_from
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.outputs import CompletionOutput, RequestOutput
@@ -70,7 +70,7 @@ class LLMEngine:
                 mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
                 config.kv_cache_memory_fraction, config.kv_device_layers,
             )
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and triton_attention.AVAILABLE
+        use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers)
         # with CUDA graphs, one more block that no sequence owns takes the padding rows' K/V writes
         pool_blocks = num_blocks + (cuda_graphs.SCRATCH_BLOCKS if use_graphs else 0)
         self.kv_cache = KVCache(mcfg, pool_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
