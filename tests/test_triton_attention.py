@@ -225,7 +225,7 @@ def test_bundled_model_caches(monkeypatch):
         diffs.append(float((got - want).abs().max()))
         return want
 
-    base = LLM(kv_cache_blocks=16, block_size=4, linear_kernel="torch", device=str(DEVICE))
+    base = LLM(kv_cache_blocks=16, block_size=4, linear_kernel="torch", device=str(DEVICE), enforce_eager=True)
     for kv_dtype in ("float32", "int8"):
         llm = LLM.from_engine_of(base, kv_cache_dtype=kv_dtype, kv_calibration=False) if kv_dtype == "int8" else base
         runner = llm.engine.runner
