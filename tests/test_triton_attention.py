@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -244,3 +246,51 @@ def test_bundled_model_caches(monkeypatch):
             runner.execute([ForwardItem(table, n, [5, 6, 7, 8], [0, 1, 2, 3])])
     assert len(diffs) == 2 * len(runner.model.layers)
     assert max(diffs) < 2e-5, max(diffs)
+
+
+def compile_for_hopper() -> None:
+    """Compile every kernel variant of HOPPER_CASES ahead of time for an H100/H200 (sm_90) down to machine code with
+    Triton's bundled ptxas. Needs no GPU, and unlike the interpreter it catches what only the compiler checks
+    (types across branches, dot shapes, layouts). Runs in a process of its own: under TRITON_INTERPRET=1 triton's
+    own library functions are interpreted ones, which the compiler cannot lower."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from leapdecode.kernels import triton_decode
+
+    def build(fn, types: dict[str, str], consts: dict) -> None:
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+    for dtype, quant, split, tree in HOPPER_CASES:
+        cache, out = ("i8" if quant else dtype), ("fp32" if split else dtype)
+        types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "ks_ptr": "*fp16",
+                 "vs_ptr": "*fp16", "out_ptr": f"*{out}", "lse_ptr": "*fp32", "tables_ptr": "*i32",
+                 "q_start_ptr": "*i32", "q_len_ptr": "*i32", "ctx_len_ptr": "*i32", "tree_ptr": "*i8",
+                 "tree_len_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
+        build(triton_decode.paged_rows_kernel, types, dict(
+            GROUP=3, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=16, BLOCK_N=64, M_BLOCKS=1, SCALE_GROUP=16, QUANT=quant,
+            SPLIT=split, HAS_TREE=tree, PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_FP32=False))
+        if split:
+            build(triton_decode.merge_splits_kernel,
+                  {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "rows_ptr": "*i64"},
+                  dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=8))  # fmt: skip
+        print("compiled", dtype, "int8" if quant else "float", "split" if split else "short", "tree" if tree else "")
+
+
+# (dtype, int8 cache, split-KV, tree): the variants compiled for sm_90
+HOPPER_CASES = [("bf16", False, False, False), ("bf16", True, True, True), ("fp32", False, True, False),
+                ("fp16", False, False, True)]
+
+
+def test_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == len(HOPPER_CASES)
+
+
+if __name__ == "__main__":
+    compile_for_hopper()
