@@ -12,7 +12,7 @@
 # SmolLM2-135M checkout in the HF cache, else random weights of SmolLM2-135M's shape (speed rows hold; acceptance
 # and the trained drafters, eagle and medusa, do not apply to it and are skipped).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
 PREP=$REPO/.gpu_check
 PY=${PYTHON:-python3}
@@ -80,9 +80,13 @@ section "CUDA tests"
     | tee "$NOTES/tests.txt"
 
 section "bench (batch 1 and 32, HF transformers reference)"
-"$PY" -m leapdecode.cli bench --model "$MODEL" --device cuda --dtype bfloat16 --num-prompts 32 --max-tokens 96 \
-    --methods "$METHODS" --compare hf --ceiling --out "$OUT_DIR/bench" "${BENCH_EXTRA[@]}" \
-    || echo "bench FAILED (exit $?)" | tee -a "$NOTES/tests.txt"
+bench() {
+    "$PY" -m leapdecode.cli bench --model "$MODEL" --device cuda --dtype bfloat16 --num-prompts 32 --max-tokens 64 \
+        --methods "$1" --compare hf --ceiling --out "$OUT_DIR/bench" "${BENCH_EXTRA[@]}"
+}
+# a shipped drafter refuses a target it was not trained for (another checkpoint of the model): keep the rest
+bench "$METHODS" || { echo "bench with $METHODS failed; again with none,ngram" | tee -a "$NOTES/model_note.txt"
+                      bench none,ngram; } || echo "bench FAILED" | tee -a "$NOTES/model_note.txt"
 
 section "verification cost curve"
 "$PY" scripts/gpu_check.py curve --model "$MODEL" --out "$OUT_DIR/curve.md" || echo "curve FAILED"
