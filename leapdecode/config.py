@@ -123,7 +123,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     # share of free memory the KV pool may take when kv_cache_blocks is None (it is also capped at what
-    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used
+    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used. Not on CUDA,
+    # which sizes the pool from gpu_memory_utilization
     kv_cache_memory_fraction: float = 0.05
     # on CUDA instead: the share of the GPU's whole memory this engine may hold -- weights, the largest step's
     # activations and the KV pool together -- as vLLM's option of the same name (engine/gpu_memory.py)
