@@ -76,7 +76,7 @@ fi
 echo "model: $MODEL; methods: $METHODS"
 
 section "CUDA tests"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py 2>&1 | tail -n 25 \
+"$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py tests/test_gpu_weights.py 2>&1 | tail -n 25 \
     | tee "$NOTES/tests.txt"
 
 section "bench (batch 1 and 32, HF transformers reference)"
