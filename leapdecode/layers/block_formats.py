@@ -143,18 +143,42 @@ class QuantizedWeight:
         return out
 
     def int8_activation_records(self) -> torch.Tensor:
-        """This weight for the int8-activation kernel (``linear_kernel="packed-int8act"``): q4k keeps its records'
-        header and takes the Q4 code lines per sub-block ([N/16, K/256, 38, 64]); q4 / q8 keep their codes; the
-        other kinds are rounded once more, to Q8_0 (8-bit codes per 32 inputs: at most ~0.56 of a step of a block's
-        max|w| / 127 on top of the file's own rounding), since that kernel multiplies 4- or 8-bit codes."""
-        if self.kind == "q4k":
-            n, k = self.shape
+        """This weight for the int8-activation kernel (``linear_kernel="packed-int8act"``, kernels/int8_gemm.cpp):
+        q4k, q6k and q4h keep their records' header (super-block scales, or the file's fp16 scale and minimum)
+        followed by code lines the kernel multiplies as integers (4.75, 6.6 and 5 bits per weight, as their float
+        records); q4 / q8 keep their codes; the other kinds are rounded once more, to Q8_0 (8-bit codes per 32
+        inputs: at most ~0.56 of a step of a block's max|w| / 127 on top of the file's own rounding)."""
+        n, k = self.shape
+        if self.kind in ("q4k", "q4h"):
             lines = self.to_block_quantized().pack_int8_activations()[:, :, 2:]  # drop the per-32 d and m lines
+            if self.kind == "q4h":
+                return torch.cat([self.records[:, :, :64], lines.reshape(n // 16, k // 32, 256)], dim=-1).reshape(
+                    n // 16, k // 32, -1, 64).contiguous()
             codes = lines.reshape(n // 16, k // 256, 8 * 4 * 64)
             header = self.records[:, :, :384]
             return torch.cat([header, codes], dim=-1).reshape(n // 16, k // 256, -1, 64).contiguous()
+        if self.kind == "q6k":
+            return self._q6k_int8_activation_records()
         bq = self.to_block_quantized() or small_gemm.BlockQuantized.quantize_q8(self.dequantize())
         return bq.pack_int8_activations()
+
+    def _q6k_int8_activation_records(self) -> torch.Tensor:
+        """q6k for the int8-activation kernel: the record's header (d, the 16 sub-block scales), then per
+        sub-block of 32 inputs the codes u = q + 32 as 4 lines of low nibbles (the Q4 layout) and 2 lines of their
+        top 2 bits (line h, byte (j, t), bits 2s..2s+1: input 16 h + 4 s + t)."""
+        n, k = self.shape
+        nb = k // 32
+        fields = self._row_fields()
+        low = _nibble_codes(fields[2], n, k)
+        high = fields[3].reshape(n, nb, 8)  # byte i of a sub-block: inputs 4i .. 4i+3, two bits each
+        high = torch.stack([(high >> (2 * s)) & 3 for s in range(4)], dim=-1).reshape(n, k)
+        lo = low.reshape(n // 16, 16, nb, 4, 2, 4)  # (panel, j, block, line g, half h, t): k = 32 b + 8 g + 4 h + t
+        nibble_lines = (lo[..., 0, :] | (lo[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(n // 16, nb, 256)
+        hi = high.reshape(n // 16, 16, nb, 2, 4, 4)  # (panel, j, block, line h, s, t): k = 32 b + 16 h + 4 s + t
+        top_lines = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6))
+        top_lines = top_lines.permute(0, 2, 3, 1, 4).reshape(n // 16, nb, 128)
+        codes = torch.cat([nibble_lines, top_lines], dim=-1).reshape(n // 16, k // 256, 8 * 384)
+        return torch.cat([self.records[:, :, :320], codes], dim=-1).reshape(n // 16, k // 256, -1, 64).contiguous()
 
     def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
         """The q4 / q4k / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout, whose blocks

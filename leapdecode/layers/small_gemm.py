@@ -44,7 +44,9 @@ from leapdecode.kernels.build import load_extension
 # record bytes per 16 rows x 32 inputs -> kind (kernels/block_formats.h; layers/block_formats.py describes them)
 RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "q8g", 2432: "q4k", 3392: "q6k",
                 320: "q4h"}
-A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
+# 64-byte lines per record of the int8-activation layout (kernels/int8_gemm.cpp), and the kind each one holds
+A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES, A8_Q6K_LINES, A8_Q4H_LINES = 6, 9, 38, 53, 5
+A8_KIND_OF_LINES = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k", A8_Q6K_LINES: "q6k", A8_Q4H_LINES: "q4h"}
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "int8_gemm.cpp", KERNELS / "gguf_blocks.cpp",
@@ -398,8 +400,9 @@ def decoder_stack(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin_sig
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
-    """How many layers of ``model`` use each kernel format: "float32", a record kind ("q4", "q8", "q8m", "q8s",
-    "q4s", "q8g"; layers/block_formats.py), "q4-int8act" or "q8-int8act"."""
+    """How many layers of ``model`` use each kernel format: "float32", a record kind ("q4h", "q4k", "q6k", "q8",
+    ...; layers/block_formats.py), or an int8-activation layout ("q4h-int8act", "q4k-int8act", "q6k-int8act",
+    "q4-int8act", "q8-int8act")."""
     counts: dict[str, int] = {}
     for mod in model.modules():
         p = getattr(mod, "packed", None)
@@ -407,7 +410,7 @@ def packed_formats(model: torch.nn.Module) -> dict[str, int]:
             if p.dtype == torch.float32:
                 kind = "float32"
             elif p.dim() == 4:  # int8-activation records
-                kind = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k"}[p.shape[2]] + "-int8act"
+                kind = A8_KIND_OF_LINES[p.shape[2]] + "-int8act"
             else:
                 kind = RECORD_KINDS[p.shape[2]]
             counts[kind] = counts.get(kind, 0) + 1
