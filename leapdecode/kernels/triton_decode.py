@@ -28,6 +28,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _kv_tile(ptr, scale_ptr, slot, kv_head, stride_n, stride_h, stride_sn, stride_sh, offs_d, mask,
+             SCALE_GROUP: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] cache rows at ``slot`` of one KV head; an int8 plane's rows times their group scales."""
+    x = tl.load(ptr + slot[:, None] * stride_n + kv_head * stride_h + offs_d[None, :], mask=mask, other=0)
+    if QUANT:
+        s_off = slot[:, None] * stride_sn + kv_head * stride_sh + (offs_d // SCALE_GROUP)[None, :]
+        x = x.to(tl.float32) * tl.load(scale_ptr + s_off, mask=mask, other=0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _visible(offs_n, n_ok, q_row, q_pos, row_ok, tree_start, tree_len, window, tree_ptr, stride_mq,
+             HAS_TREE: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] bool: which of the tile's positions each row may attend (the module docstring's rule);
+    ``tree_ptr`` points at this sequence's mask rows."""
+    vis = row_ok[:, None] & n_ok[None, :]
+    causal = offs_n[None, :] <= q_pos[:, None]
+    if HAS_TREE:
+        in_tree = offs_n[None, :] >= tree_start
+        t_off = q_row[:, None] * stride_mq + (offs_n - tree_start)[None, :]
+        allowed = tl.load(tree_ptr + t_off, mask=vis & in_tree & (tree_len > 0), other=0) != 0
+        vis = vis & tl.where(tree_len > 0, tl.where(in_tree, allowed, True), causal)
+    else:
+        vis = vis & causal
+    if window > 0:
+        vis = vis & (offs_n[None, :] > q_pos[:, None] - window)
+    return vis
+
+
+@triton.jit
 def paged_rows_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr,
     tables_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tree_ptr, tree_len_ptr,
@@ -72,9 +102,9 @@ def paged_rows_kernel(
         hi = tl.minimum(hi, (split + 1) * split_len)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.where(m_block * BLOCK_M < q_len * GROUP, hi, lo)  # a row block past this sequence's rows: no work
+    tree_len = ctx * 0
     if HAS_TREE:
         tree_len = tl.load(tree_len_ptr + seq)
-        tree_start = ctx - tree_len
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -85,23 +115,11 @@ def paged_rows_kernel(
         block = tl.load(tables_ptr + seq * stride_tb + offs_n // block_size, mask=n_ok, other=0)
         slot = block.to(tl.int64) * block_size + offs_n % block_size
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0)
-        if QUANT:  # int8 rows times their float16 group scales
-            s_off = slot[:, None] * stride_sn + kv_head * stride_sh + (offs_d // SCALE_GROUP)[None, :]
-            k = k.to(tl.float32) * tl.load(ks_ptr + s_off, mask=kv_mask, other=0).to(tl.float32)
+        k = _kv_tile(k_ptr, ks_ptr, slot, kv_head, stride_kn, stride_kh, stride_sn, stride_sh, offs_d, kv_mask,
+                     SCALE_GROUP, QUANT)  # fmt: skip
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-
-        vis = row_ok[:, None] & n_ok[None, :]
-        causal = offs_n[None, :] <= q_pos[:, None]
-        if HAS_TREE:
-            in_tree = offs_n[None, :] >= tree_start
-            t_off = seq * stride_ms + q_row[:, None] * stride_mq + (offs_n - tree_start)[None, :]
-            allowed = tl.load(tree_ptr + t_off, mask=vis & in_tree & (tree_len > 0), other=0) != 0
-            vis = vis & tl.where(tree_len > 0, tl.where(in_tree, allowed, True), causal)
-        else:
-            vis = vis & causal
-        if window > 0:
-            vis = vis & (offs_n[None, :] > q_pos[:, None] - window)
+        vis = _visible(offs_n, n_ok, q_row, q_pos, row_ok, ctx - tree_len, tree_len, window,
+                       tree_ptr + seq * stride_ms, stride_mq, HAS_TREE)  # fmt: skip
         scores = tl.where(vis, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -109,10 +127,8 @@ def paged_rows_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0)
-        if QUANT:
-            s_off = slot[:, None] * stride_sn + kv_head * stride_sh + (offs_d // SCALE_GROUP)[None, :]
-            v = v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=kv_mask, other=0).to(tl.float32)
+        v = _kv_tile(v_ptr, vs_ptr, slot, kv_head, stride_vn, stride_vh, stride_sn, stride_sh, offs_d, kv_mask,
+                     SCALE_GROUP, QUANT)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 

@@ -144,10 +144,10 @@ def num_splits_for(num_programs: int, max_ctx: int, num_sms: int = _DEFAULT_SMS)
 
 
 def _block_m(rows: int) -> int:
-    return min(64, max(16, triton_next_pow2(rows)))
+    return min(64, max(16, _next_pow2(rows)))
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -214,7 +214,7 @@ def paged_decode_attention(
         k_data.stride(0), k_data.stride(1), v_data.stride(0), v_data.stride(1), *s_strides,
         target.stride(0), target.stride(1), stride_os, *lse_strides,
         batch.block_tables.stride(0), *t_strides,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton_next_pow2(d)), BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_M=block_m, BLOCK_N=block_n,
         M_BLOCKS=m_blocks, SCALE_GROUP=d // k_scale.shape[-1] if quant else 1, QUANT=quant, SPLIT=splits > 1,
         HAS_TREE=batch.tree_mask is not None, PRECISION=precision,
         DOT_FP32=q.dtype == torch.bfloat16 and not q.is_cuda,
@@ -223,7 +223,7 @@ def paged_decode_attention(
         triton_decode.merge_splits_kernel[(batch.rows.shape[0], heads)](
             part, lse, out, batch.rows, splits,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=max(16, triton_next_pow2(d)), BLOCK_S=max(2, triton_next_pow2(splits)),
+            HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_S=max(2, _next_pow2(splits)),
         )  # fmt: skip
     return out
 
