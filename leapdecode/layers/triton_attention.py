@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from leapdecode.layers.kv_quant import KVPlane, QuantizedKV
+
 try:
     from leapdecode.kernels import triton_decode
 except ImportError:  # triton not installed: the optional `gpu` extra
@@ -59,13 +61,13 @@ def forced() -> Iterator[None]:
 
 def applies(q: torch.Tensor, k_cache: object) -> bool:
     """Whether the few-token rows of this layer go through the Triton kernels: triton is installed, the tensors
-    are on a GPU (or :func:`forced`), and the cache plane is a float tensor or an int8 plane (kv_quant.py)."""
+    are on a GPU (or :func:`forced`), and the cache plane is a float tensor or an int8 plane (kv_quant.py) on
+    q's device (not, say, the host layer tier's planes)."""
     if not AVAILABLE or not (q.is_cuda or _forced):
         return False
     if isinstance(k_cache, torch.Tensor):
         return k_cache.device == q.device and k_cache.is_floating_point()
-    data = getattr(k_cache, "data", None)
-    return isinstance(data, torch.Tensor) and data.dtype == torch.int8 and data.device == q.device
+    return isinstance(k_cache, QuantizedKV) and k_cache.data.device == q.device
 
 
 @dataclass
@@ -151,16 +153,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _planes(cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(cache, torch.Tensor):
-        return cache, None
-    return cache.data, cache.scale  # type: ignore[attr-defined]
+def _planes(cache: KVPlane) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(cache, QuantizedKV):
+        return cache.data, cache.scale
+    return cache, None
 
 
 def paged_decode_attention(
     q: torch.Tensor,
-    k_cache: object,
-    v_cache: object,
+    k_cache: KVPlane,
+    v_cache: KVPlane,
     batch: RowBatch,
     scale: float,
     out: torch.Tensor,
