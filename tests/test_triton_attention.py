@@ -248,6 +248,26 @@ def test_bundled_model_caches(monkeypatch):
     assert max(diffs) < 2e-5, max(diffs)
 
 
+@pytest.mark.parametrize("method", [None, {"method": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"])
+def test_engine_tokens_unchanged_through_the_kernels(tiny_model_dir, method, monkeypatch):
+    """Whole generations (prompts, decode batches, draft chains) attend through the kernels and give the torch
+    path's greedy tokens."""
+    from leapdecode import LLM, SamplingParams
+
+    launches, launch = [], ta.paged_decode_attention
+    monkeypatch.setattr(ta, "paged_decode_attention", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "a b c a b c a b"]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, linear_kernel="torch", device=str(DEVICE),
+              enforce_eager=True, speculative_config=method)  # fmt: skip
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with ta.forced():
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and all(len(t) == 10 for t in got)
+    assert len(launches) >= 2 * 10  # both layers of every step after the prompts
+
+
 def compile_for_hopper() -> None:
     """Compile every kernel variant of HOPPER_CASES ahead of time for an H100/H200 (sm_90) down to machine code with
     Triton's bundled ptxas. Needs no GPU, and unlike the interpreter it catches what only the compiler checks
