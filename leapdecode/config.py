@@ -137,8 +137,15 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     # share of free memory the KV pool may take when kv_cache_blocks is None (it is also capped at what
-    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used
+    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used. Not on CUDA,
+    # which sizes the pool from gpu_memory_utilization
     kv_cache_memory_fraction: float = 0.05
+    # on CUDA instead: the share of the GPU's whole memory this engine may hold -- weights, the largest step's
+    # activations and the KV pool together -- as vLLM's option of the same name (engine/gpu_memory.py)
+    gpu_memory_utilization: float = 0.9
+    # CUDA: False captures decode and verification steps in CUDA graphs per padded batch size
+    # (engine/cuda_graphs.py); True always runs eagerly (vLLM's name)
+    enforce_eager: bool = False
     # KV storage: "auto" = the model dtype; "int8" quantizes on write (3.9x smaller than float32; kv_quant.py)
     kv_cache_dtype: str = "auto"
     # int8 only: fit the keys' per-channel shift and smoothing on a few built-in texts at start-up (~1 s;
@@ -183,6 +190,11 @@ class EngineConfig:
             f"kv_cache_blocks must be None (size from memory) or >= 1, got {self.kv_cache_blocks!r}",
         )
         _check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
+        _check(
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        _check(isinstance(self.enforce_eager, bool), f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",

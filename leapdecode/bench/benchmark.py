@@ -307,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
     llamacpp_costs: list[tuple[int, float]] = []
     if "hf" in compare:
-        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
+        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device, base.config.torch_dtype))
     if "llama.cpp" in compare:
         context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
         r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from statistics import median
 
+import torch
+
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
@@ -175,6 +177,8 @@ def scratch_step(runner: ModelRunner, bm: BlockManager, n: int, ctx: int = 64) -
         return
     with bm.borrowed(ctx + n) as table:
         runner.execute([ForwardItem(table, ctx, [0] * n, list(range(n)))])
+    if runner.device.type == "cuda":  # a GPU returns before the step ran: time the work, not its launch
+        torch.cuda.synchronize(runner.device)
 
 
 def calibrate_target(runner: ModelRunner, bm: BlockManager) -> StepCostModel:
