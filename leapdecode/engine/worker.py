@@ -49,9 +49,9 @@ EngineFactory = Callable[[EngineConfig], WorkerEngine]
 
 
 def step_digest(outputs: list[RequestOutput]) -> int:
-    """A checksum of one step's tokens (request ids, token counts, last tokens, finished), equal on every rank that
-    made the same decisions; independent of Python's per-process string hashing."""
-    text = repr([(o.request_id, len(o.outputs[0].token_ids), o.outputs[0].token_ids[-4:], o.finished)
+    """A checksum of one step's tokens (request ids, each completion's token count and last tokens, finished),
+    equal on every rank that made the same decisions; independent of Python's per-process string hashing."""
+    text = repr([(o.request_id, [(len(c.token_ids), c.token_ids[-4:]) for c in o.outputs], o.finished)
                  for o in outputs])  # fmt: skip
     return zlib.crc32(text.encode())
 
