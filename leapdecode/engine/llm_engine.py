@@ -58,6 +58,12 @@ class LLMEngine:
         try:
             with self.scope():
                 self._setup(config, model, tokenizer, model_path)
+        except RuntimeError as e:
+            if self.executor is None:
+                raise
+            err = self.executor.error(e)  # a worker that failed to build its shard: its own error, not gloo's
+            self.shutdown()
+            raise err from e
         except BaseException:
             self.shutdown()
             raise
