@@ -21,6 +21,11 @@ class RequestMetrics:
     # drafts a lossy acceptance rule (blockwise top-k) kept although the target ranked another token first:
     # 0 for every lossless method, so a nonzero count is the per-request sign of drift
     num_lossy_tokens: int = 0
+    # speculative "auto" (speculative/router.py): the route taken (task, branch of the decision tree, candidates,
+    # departures), target steps each method drafted for, and how often the copy detector switched domain
+    route: str | None = None
+    draft_methods: dict[str, int] = field(default_factory=dict)
+    num_domain_switches: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -55,18 +55,31 @@ def test_records_rebuild_gguf_weights_and_kernel_matches_float_panels(type_name)
         assert torch.equal(y[:1], small_gemm.packed_linear(x[:1], qw.records, None))  # row-count invariant
 
 
-def test_fused_parts_of_different_kinds_take_the_general_kind():
+def test_fused_parts_of_different_kinds_keep_their_own_records():
+    """A fused weight whose parts differ in kind is segments of each part's own records: bitwise the float32
+    result of the joined weight, at the bytes of its parts, and its int8-activation form is the parts' own."""
     k = 256
     order = np.random.default_rng(0).permutation(16)  # a part read in another row order (llama.cpp's Q/K)
-    parts = [("Q4_K", random_blocks("Q4_K", 32, k, 1), (32, k)), ("Q6_K", random_blocks("Q6_K", 16, k, 2), (16, k)),
+    parts = [("Q4_K", random_blocks("Q4_K", 32, k, 1), (32, k)), ("Q4_K", random_blocks("Q4_K", 16, k, 4), (16, k)),
+             ("Q6_K", random_blocks("Q6_K", 16, k, 2), (16, k)),
              ("Q5_0", random_blocks("Q5_0", 16, k, 3), (16, k), order)]  # fmt: skip
     qw = QuantizedWeight.from_gguf(parts)
-    ref = torch.cat([reference(*p[:3]) for p in parts[:2]] + [reference(*parts[2][:3])[order]])
-    assert qw.kind == "q8g" and qw.source == "Q4_K+Q6_K+Q5_0"
-    assert torch.equal(qw.dequantize(), ref)
+    ref = torch.cat([reference(*p[:3]) for p in parts[:3]] + [reference(*parts[3][:3])[order]])
+    assert qw.kind == "q4k+q6k+q8" and qw.source == "Q4_K+Q4_K+Q6_K+Q5_0"
+    assert qw.nbytes == QuantizedWeight.held_bytes([(p[0], p[2]) for p in parts])
+    assert qw.nbytes < 512 + sum(QuantizedWeight.held_bytes([(p[0], p[2])]) for p in parts)
+    assert torch.equal(qw.dequantize(), ref) and torch.equal(qw.dequantize(torch.tensor([40, 3, 79])), ref[[40, 3, 79]])
     x = torch.randn(3, k)
     panels = small_gemm.pack(ref)
     assert torch.equal(small_gemm.packed_linear(x, qw.records, None), small_gemm.packed_linear(x, panels, None))
+    int8 = qw.int8_activation_records()
+    alone = [QuantizedWeight.from_gguf(parts[:2]), QuantizedWeight.from_gguf(parts[2:3]),
+             QuantizedWeight.from_gguf(parts[3:])]
+    y = torch.cat([small_gemm.packed_linear(x, a.int8_activation_records(), None) for a in alone], dim=1)
+    assert torch.equal(small_gemm.packed_linear(x, int8, None), y)
+    assert small_gemm.int8_activation_layout(int8) and not small_gemm.int8_activation_layout(qw.records)
+    assert [tuple(s.shape) for s in small_gemm.segments_of(int8)] == [(3, 1, 38, 64), (1, 1, 53, 64), (1, 8, 9, 64)]
+    assert qw.select_rows(torch.arange(16)) is None
     same = QuantizedWeight.from_gguf(parts[:1] * 2)  # parts of one kind keep it
     assert same.kind == "q4k" and torch.equal(same.dequantize(), torch.cat([ref[:32], ref[:32]]))
 

@@ -9,9 +9,11 @@ import torch
 
 from leapdecode import threads
 from leapdecode.config import EngineConfig
+from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
@@ -68,26 +70,42 @@ class LLMEngine:
         from leapdecode.layers.kv_quant import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
-        num_blocks = config.kv_cache_blocks or KVCache.auto_num_blocks(
-            mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
-            config.kv_cache_memory_fraction, config.kv_device_layers,
-        )
-        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
+        if config.kv_cache_blocks:
+            num_blocks = config.kv_cache_blocks
+        elif self.device.type == "cuda":  # a share of the whole GPU, after profiling the largest step
+            num_blocks = gpu_memory.num_blocks_for_utilization(
+                model, mcfg, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
+                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens, config.kv_device_layers,
+            )
+        else:
+            num_blocks = KVCache.auto_num_blocks(
+                mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
+                config.kv_cache_memory_fraction, config.kv_device_layers,
+            )
+        use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers)
+        # with CUDA graphs, one more block that no sequence owns takes the padding rows' K/V writes
+        pool_blocks = num_blocks + (cuda_graphs.SCRATCH_BLOCKS if use_graphs else 0)
+        self.kv_cache = KVCache(mcfg, pool_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = None
         if config.swap_space_gb > 0:
             from leapdecode.engine.swap import HostKVPool
 
-            per_block = self.kv_cache.nbytes // num_blocks
+            per_block = self.kv_cache.nbytes // pool_blocks
             self.swap = HostKVPool(self.kv_cache, int(config.swap_space_gb * (1 << 30)) // per_block, config.swap_path)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, swap=self.swap
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
         if kv_dtype == torch.int8 and config.kv_calibration:
-            from leapdecode.engine.kv_calibration import calibrate_int8_keys
-
-            calibrate_int8_keys(self)
+            calibrate_int8_keys(self.runner, self.kv_cache, self.block_manager,
+                                calibration_token_lists(self.tokenizer),
+                                min(self.max_model_len, config.max_num_batched_tokens))
+        self.graphs: cuda_graphs.StepGraphs | None = None
+        if use_graphs:  # after calibration, which must see every step's keys
+            self.graphs = cuda_graphs.StepGraphs(model, self.kv_cache, config.block_size, self.device,
+                                                 self.max_model_len, config.max_num_seqs, scratch_block=num_blocks)
+            self.runner.graph_step = self.graphs.execute
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
