@@ -29,6 +29,18 @@ def test_chunk_size_follows_the_cost_model():
     assert chunk_size(jump, 0.99, 8, 1) == 8  # nearly always accepted: one pass beats two
 
 
+def test_chunking_is_a_no_op_for_chains_sized_on_an_edgeless_cost_curve():
+    """On by default, so it must cost nothing where it cannot pay: on a flat or linear step cost, a chain of the
+    length ``best_gamma`` chose is always verified in one pass."""
+    for slope in (0.0, 0.02, 0.15, 1.0):
+        cost = StepCostModel([(1, 1.0), (65, 1.0 + 64 * slope)])
+        for batch in (1, 4, 16):
+            for alpha in [a / 20 for a in range(1, 20)]:
+                for cap in range(1, 13):
+                    gamma = cost.best_gamma(alpha, cap, batch, batch)
+                    assert chunk_size(cost, alpha, gamma, batch) == gamma, (slope, batch, alpha, cap)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_chunked_verification_is_token_identical_greedy(method, tiny_model_dir, plain_tiny):
     cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2, "use_cost_model": False}
