@@ -24,7 +24,7 @@ from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_lla
 from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weight_bytes_per_step
 from leapdecode.bench.methods import METHOD_DEFAULTS
 from leapdecode.bench.prompts import load_prompt_set
-from leapdecode.bench.report import add_report_args, cmd_report
+from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.threads import THREADS_HELP
@@ -222,6 +222,7 @@ def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, li
 def cmd_bench(args: argparse.Namespace) -> int:
     from leapdecode import LLM, SamplingParams
 
+    check_report_args(args)
     if args.report:
         return cmd_report(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
