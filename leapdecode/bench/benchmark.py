@@ -216,6 +216,8 @@ def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, li
 
 def cmd_bench(args: argparse.Namespace) -> int:
     check_report_args(args)
+    if args.plot:
+        pyplot()  # a missing matplotlib fails before the runs, not after them
     if args.report:
         return cmd_report(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
