@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence
@@ -43,7 +43,6 @@ from leapdecode.speculative.options import AutoOptions
 from leapdecode.speculative.state import DomainState, Route
 
 TaskType = Literal["code", "math", "grounded", "chat", "translation"]
-TASKS: tuple[str, ...] = get_args(TaskType)
 
 EXTREME_LATENCY_MS = 10.0  # the tree's "extreme latency" bar, per output token
 TREE_MARGIN = 0.05  # the tree's choice stands while its measured rate is within 5% of the best candidate's
@@ -282,7 +281,6 @@ class Router:
 
 
 __all__ = [
-    "TASKS",
     "DomainDetector",
     "DrafterFacts",
     "Router",
