@@ -68,6 +68,10 @@ def test_tree_branches_for_given_constraints():
     assert r.candidates == ("blockwise",) and r.branch[-1] == "block-parallel decoding"
     r = plan_route("chat", AutoOptions(lossless=False, latency_slo_ms=5), ALL)
     assert r.candidates == ("blockwise",) and "non-autoregressive" in r.branch[-1]
+    # lossy allowed but the target must stay untouched: blockwise heads read its hidden states, so prompt lookup
+    # and the draft model, and the route says why
+    r = plan_route("chat", AutoOptions(lossless=False, minimal_change=True), ALL)
+    assert r.candidates == ("draft_model", "ngram") and "minimal change rules out blockwise" in r.departures[0]
     # lossy without blockwise heads: the lossless branch, and the route says why
     r = plan_route("chat", AutoOptions(lossless=False), [f for f in ALL if f.name != "blockwise"])
     assert r.candidates[0] == "medusa" and "no blockwise heads" in r.departures[0]

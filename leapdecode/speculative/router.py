@@ -127,9 +127,11 @@ def plan_route(task: str, opts: AutoOptions, facts: list[DrafterFacts]) -> Route
         branch.append("lossy allowed")
         extreme = opts.latency_slo_ms is not None and opts.latency_slo_ms < EXTREME_LATENCY_MS
         branch.append("latency < 10 ms/token: non-autoregressive blocks" if extreme else "block-parallel decoding")
-        if "blockwise" in usable:
+        if "blockwise" in usable and not opts.minimal_change:
             return Route(task, branch, ("blockwise",), departures)
-        departures.append("no blockwise heads fit this model (or budget): the lossless branch instead")
+        departures.append("minimal change rules out blockwise heads (they read the target's hidden states): the "
+                          "lossless branch instead" if opts.minimal_change and "blockwise" in usable else
+                          "no blockwise heads fit this model (or budget): the lossless branch instead")
         branch = ["lossy allowed, no lossy drafter"]
     branch.append("lossless")
     separate = [n for n in SEPARATE_DRAFTERS if n in usable]
