@@ -66,7 +66,7 @@ def test_report_refuses_bad_input_before_running(argv, message, tmp_path, capsys
 
 def test_report_options_need_report_and_a_folder(tiny_model_dir, tmp_path, capsys):
     assert main(["bench", "--batches", "1,8"]) == 2
-    assert "--batches go(es) with --report DIR" in capsys.readouterr().err
+    assert "--batches goes with --report DIR" in capsys.readouterr().err
     afile = tmp_path / "afile"
     afile.write_text("")
     assert main(["bench", "--report", str(afile)]) == 2

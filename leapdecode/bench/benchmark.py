@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weight_bytes_per_step
-from leapdecode.bench.methods import METHOD_DEFAULTS
+from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.prompts import load_prompt_set
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
@@ -408,7 +408,8 @@ def add_cli(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     p.add_argument("--methods", default="none",
-                   help=f"comma list of: {', '.join(METHOD_DEFAULTS)}, or labels configured by --method-config")
+                   help=f"comma list of: {', '.join(METHOD_DEFAULTS)}, or labels configured by --method-config; with "
+                   f"--report every method when left out, and also the lossy {', '.join(LOSSY_DEFAULTS)}")
     p.add_argument("--method-config", default=None,
                    help='JSON of per-method overrides, e.g. \'{"draft_model": {"model": "path"}}\'; a label that '
                    'is not a method needs a "method" key, e.g. \'{"bw4topk": {"method": "blockwise", '

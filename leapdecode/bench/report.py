@@ -213,7 +213,7 @@ def check_report_args(args: argparse.Namespace) -> None:
     if not args.report:
         given = [flag for dest, flag in REPORT_ONLY.items() if getattr(args, dest)]
         if given:
-            raise ValueError(f"{', '.join(given)} go(es) with --report DIR")
+            raise ValueError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --report DIR")
         return
     ignored = [flag for dest, flag in NOT_WITH_REPORT.items() if getattr(args, dest)]
     if args.linear_kernels != "auto":
