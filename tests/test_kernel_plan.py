@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from leapdecode.layers import small_gemm
 from leapdecode.models import kernel_plan
