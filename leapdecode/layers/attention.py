@@ -91,7 +91,7 @@ class AttentionMetadata:
         return rows is not None and rows[0].numel() == self.num_tokens
 
     def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For the C++ rows kernel (kernels/decode_ops.cpp): every row of the few-row groups not split by
+        """For the C++ rows kernel (kernels/attention_rows.cpp): every row of the few-row groups not split by
         split_kv, as (rows [R], spans [R, 2], slots): row ``rows[r]`` sees ``slots[spans[r, 0]:spans[r, 1]]``,
         its visible positions in order. Causal rows of one sequence share its slot list (row i sees a prefix of
         it), so a prompt costs O(length) here, not O(length^2); tree rows list their visible slots each. Built
@@ -221,7 +221,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
     ``use_kernel``: over a float32 or int8 CPU cache, the rows of few-token groups (decode tokens, drafts, tree
-    nodes) attend in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not
+    nodes) attend in one C++ call, each row on its own (kernels/attention_rows.cpp), so a token's result does not
     depend on the batch or on being verified among drafts. Returns [T, H, D]."""
     if isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV):
         # an int8 cache stores keys as ((k - mu) / s) R and values as v R (kv_quant.py): attend in that basis

@@ -47,8 +47,8 @@ RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "
 A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "int8_gemm.cpp", KERNELS / "gguf_blocks.cpp",
-           KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
+SOURCES = [KERNELS / name for name in ("small_gemm.cpp", "int8_gemm.cpp", "gguf_blocks.cpp", "layer_ops.cpp",
+                                       "attention_rows.cpp", "int8_kv.cpp", "decoder_stack.cpp")]  # one build, one load
 _ext = None
 _error: str | None = None
 
@@ -222,7 +222,7 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
                       "slower than float32)", stacklevel=2)
     n = 0
     for mod in model.modules():
-        if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (decode_ops.cpp)
+        if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (layer_ops.cpp)
             mod.use_kernel = True
         if not hasattr(mod, "packed") or getattr(mod, "looks_up_rows", False):
             continue  # embeddings look rows up; their LM head (tied or not) is packed
@@ -245,7 +245,7 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in one C++ call (kernels/decode_ops.cpp) for CPU float32 inference; torch's otherwise."""
+    """RMSNorm in one C++ call (kernels/layer_ops.cpp) for CPU float32 inference; torch's otherwise."""
     if _ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
         return _ext.rms_norm(x.contiguous(), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -253,7 +253,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attention_rows(q, k_cache, v_cache, rows, spans, slots, scale: float, out: torch.Tensor) -> None:
     """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
-    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
+    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/attention_rows.cpp; see attention.AttentionMetadata.kernel_rows)."""
     _ext.attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, out)
 
 
@@ -328,12 +328,12 @@ def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch
 
 
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int) -> None:
-    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (decode_ops.cpp)."""
+    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (layer_ops.cpp)."""
     _ext.rope_(qkv, cos, sin_signed, num_heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (decode_ops.cpp)."""
+    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
     return _ext.silu_mul(gate_up.contiguous())
 
 
@@ -345,7 +345,7 @@ def decoder_layer(*args) -> torch.Tensor:
 def rotate_rows(x: torch.Tensor, smooth: torch.Tensor | None, rotation: torch.Tensor | None,
                 transpose: bool) -> torch.Tensor:
     """``(x * smooth) @ R`` (or ``x @ R.T``) for rows x [T, H, D] in one C++ call: the int8 KV cache's query and
-    output basis changes, shared by the per-op path and the fused layer so both round alike (decode_ops.cpp)."""
+    output basis changes, shared by the per-op path and the fused layer so both round alike (int8_kv.cpp)."""
     empty = x.new_empty(0)
     return _ext.rotate_rows(x, empty if smooth is None else smooth, empty if rotation is None else rotation,
                             transpose)

@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         return self._fused_args
 
     def _fused(self, x, rope, planes: tuple[list[torch.Tensor], list[torch.Tensor]], meta) -> torch.Tensor:
-        """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
+        """The same layer in one C++ call (kernels/decoder_stack.cpp) for steps made only of few-token rows: the
         same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls. ``planes``
         is :func:`fused_kv` of the layer's cache."""
         w, bias, heads, kv_heads, eps, scale = self.fused_args()
