@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 VOCAB = 512
 WINDOW = 8  # short, so that a 30-token prompt crosses it several times
@@ -62,8 +63,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path) -> Path:
-    """``model`` (from :func:`build_hf`) as a float32 GGUF file in llama.cpp's layout for its family."""
+def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32") -> Path:
+    """``model`` (from :func:`build_hf`) as a GGUF file in llama.cpp's layout for its family: norms in float32,
+    matrices (the embedding included) in ``matrix_type`` ("F32" or a block type gguf can quantize to)."""
     cfg = model.config
     family = {"mistral": "mistral", "qwen3": "qwen3", "phi3": "phi3", "gemma3_text": "gemma3"}[cfg.model_type]
     arch = FAMILIES[family][1]
@@ -98,7 +100,12 @@ def write_gguf(model: torch.nn.Module, path: Path) -> Path:
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             a = _permute(a, heads)
-        w.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if a.ndim == 2 and matrix_type != "F32":
+            kind = GGMLQuantizationType[matrix_type]
+            w.add_tensor(gguf_name, quantize(a, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -19,7 +19,7 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
-from leapdecode.layers import small_gemm
+from leapdecode.layers import small_gemm, split_kv
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.loader import load_model
 
@@ -77,6 +77,58 @@ def test_logits_match_hf_beyond_the_window(family_dirs, family: str, source: str
     diff = (got - ref).abs().max().item()
     assert ref.abs().max() > 1.0 and diff <= TOL, f"{family} {source}: max |logit diff| {diff:.3g}"
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_split_kv_reads_only_the_window(family_dirs, monkeypatch, family: str) -> None:
+    """Split-KV attention (one sequence: chunks in parallel; a padded batch: chunk by chunk) over the windowed
+    plan: thresholds lowered so that every decode step of these short sequences splits."""
+    monkeypatch.setattr(split_kv, "SPLIT_KV_CHUNK", 4)
+    monkeypatch.setattr(split_kv, "SPLIT_KV_MIN_CONTEXT", 8)
+    monkeypatch.setattr(split_kv, "SPLIT_KV_BATCH_CHUNK", 4)
+    monkeypatch.setattr(split_kv, "SPLIT_KV_MIN_BATCH_TOKENS", 16)
+    modes: list[bool] = []
+    split = split_kv.split_attention
+
+    def counted(qf, kg, vg, k_cache, v_cache, plan, scale):
+        modes.append(plan.chunked_read)
+        return split(qf, kg, vg, k_cache, v_cache, plan, scale)
+
+    monkeypatch.setattr(split_kv, "split_attention", counted)
+    folder = family_dirs[family]
+    a, b = _tokens(30, seed=11), _tokens(26, seed=12)
+    model, cfg = load_model(folder, keep_blocks=False)
+    kv = KVCache(cfg, 64, 4, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, kv, 4, torch.device("cpu"))
+    got = _run_schedule(runner, BlockManager(64, 4, enable_prefix_caching=False), [a, b],
+                        [[20, 0], [1, 16]] + [[1, 1]] * 9 + [[0, 1]])
+    assert set(modes) == {False, True}  # both modes ran
+    for tokens, logits in zip((a, b), got, strict=True):
+        ref = _hf_logits(folder, tokens)
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str) -> None:
+    """Every matrix in Q8_0 (Phi-3's fused q/k/v and gate/up, Gemma's tied embedding included): the model that
+    keeps the file's blocks gives the logits of the same file dequantised to float32."""
+    if small_gemm.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(family_dirs[family]), dtype=torch.float32)
+    path = write_gguf(hf, tmp_path / "q8.gguf", matrix_type="Q8_0")
+    tokens = _tokens(20, seed=5)
+    logits = []
+    for keep in (True, False):
+        model, cfg = load_model(path, keep_blocks=keep)
+        assert small_gemm.enable(model) > 0
+        assert (model.layers[0].self_attn.qkv_proj.quant is not None) == keep
+        kv = KVCache(cfg, 64, 4, torch.float32, torch.device("cpu"))
+        runner = ModelRunner(model, kv, 4, torch.device("cpu"))
+        bm = BlockManager(64, 4, enable_prefix_caching=False)
+        logits.append(_run_schedule(runner, bm, [tokens], [[12]] + [[1]] * 8)[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=TOL)
 
 
 def test_hf_reads_the_gemma3_gguf_as_we_do(family_dirs) -> None:
