@@ -63,12 +63,15 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32") -> Path:
-    """``model`` (from :func:`build_hf`) as a GGUF file in llama.cpp's layout for its family: norms in float32,
-    matrices (the embedding included) in ``matrix_type`` ("F32" or a block type gguf can quantize to)."""
+def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32",
+               extra: dict[str, np.ndarray] | None = None) -> Path:
+    """``model`` (from :func:`build_hf`, or an HF Llama) as a GGUF file in llama.cpp's layout for its family: norms
+    in float32, matrices (the embedding included) in ``matrix_type`` ("F32" or a block type gguf can quantize to),
+    plus the ``extra`` tensors."""
     cfg = model.config
-    family = {"mistral": "mistral", "qwen3": "qwen3", "phi3": "phi3", "gemma3_text": "gemma3"}[cfg.model_type]
-    arch = FAMILIES[family][1]
+    family = {"llama": "llama", "mistral": "mistral", "qwen3": "qwen3", "phi3": "phi3",
+              "gemma3_text": "gemma3"}[cfg.model_type]
+    arch = "llama" if family in ("llama", "mistral") else family
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny {family}")
     w.add_block_count(cfg.num_hidden_layers)
@@ -85,7 +88,7 @@ def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32") -> 
     w.add_rope_dimension_count(head_dim)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(float((rope.get("full_attention") or rope)["rope_theta"]))
-    if cfg.sliding_window:
+    if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
@@ -106,6 +109,8 @@ def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32") -> 
             w.add_tensor(gguf_name, quantize(a, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name, a)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

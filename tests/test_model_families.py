@@ -236,3 +236,43 @@ def test_candidate_trees_across_the_window_match_each_path(engine_dirs, family: 
     engine = LLM(model=str(engine_dirs[family][0]), kv_cache_blocks=256, block_size=4).engine
     tree_checks.test_tree_mask_forward_matches_each_path_brute_force(engine)
     tree_checks.test_tree_grown_over_passes_matches_each_path_brute_force(engine)
+
+
+def test_a_gguf_files_rope_freqs_are_llama3_scaling(tmp_path) -> None:
+    """llama.cpp writes Llama 3's RoPE scaling as one factor per frequency (``rope_freqs``): applied, the GGUF
+    model matches HF's llama3-scaled model (ignored, positions past the original context would drift)."""
+    import math
+
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=scaling)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    plain = write_gguf(hf, tmp_path / "plain.gguf")
+    # the same file plus the factors, computed as llama.cpp's converter computes them
+    factors = []
+    for i in range(0, 16, 2):
+        wavelen = 2 * math.pi / (500000.0 ** (-i / 16))
+        if wavelen < 16 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 16 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (16 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    scaled = write_gguf(hf, tmp_path / "scaled.gguf",
+                        extra={"rope_freqs.weight": np.array(factors, dtype=np.float32)})
+    tokens = _tokens(40, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    got = _ours(scaled, False, [[30], [10]], tokens)
+    assert (got - ref).abs().max().item() <= TOL
+    assert (_ours(plain, False, [[30], [10]], tokens) - ref).abs().max().item() > 10 * TOL

@@ -59,7 +59,10 @@ class ModelConfig:
         if not self.layer_windows:
             self.layer_windows = [None] * self.num_hidden_layers
         if len(self.layer_windows) != self.num_hidden_layers:
-            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_hidden_layers} layers")
+            # a copy with another layer count (a drafter's own cache) keeps a window every layer shared
+            if len(set(self.layer_windows)) != 1:
+                raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_hidden_layers} layers")
+            self.layer_windows = [self.layer_windows[0]] * self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
