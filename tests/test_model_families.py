@@ -131,6 +131,30 @@ def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("family", NAMES)
+def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monkeypatch, family: str) -> None:
+    """Decode and verification steps run every layer in one C++ call (decoder_stack: Llama's layout, or the
+    normed one of Qwen3 and Gemma 3 with its global and windowed layers); the logits are the per-op path's bits."""
+    if small_gemm.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    model, cfg = load_model(family_dirs[family], keep_blocks=False)
+    assert small_gemm.enable(model) > 0
+    calls: list[int] = []
+    real = small_gemm.decoder_stack
+    monkeypatch.setattr(small_gemm, "decoder_stack", lambda *args: calls.append(1) or real(*args))
+    tokens = _tokens(38, seed=2)
+    steps = [[20]] + [[1]] * 6 + [[4]] + [[1]] * 8  # a prompt chunk (op by op), then 15 fused steps
+    outs = []
+    for fused in (True, False):
+        for layer in model.layers:
+            layer.use_kernel = fused
+        runner = ModelRunner(model, KVCache(cfg, 64, 4, torch.float32, torch.device("cpu")), 4, torch.device("cpu"))
+        bm = BlockManager(64, 4, enable_prefix_caching=False)
+        outs.append(_run_schedule(runner, bm, [tokens], steps)[0])
+        assert len(calls) == 15
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_hf_reads_the_gemma3_gguf_as_we_do(family_dirs) -> None:
     """The GGUF writer follows llama.cpp's Gemma 3 conventions (norms stored as 1 + w, names, window): HF's own
     GGUF reader loads it to the same model."""

@@ -21,6 +21,7 @@ int64_t natural_kind(int64_t type);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 // attention_rows.cpp: few-row attention over the paged cache (float32 and int8)
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out);
@@ -43,7 +44,8 @@ torch::Tensor decoder_layer_i8(torch::Tensor x, std::vector<torch::Tensor> w, st
                                torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
                                double eps, double scale);
 torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> biases,
-                            torch::Tensor cos, torch::Tensor sin_signed, std::vector<torch::Tensor> caches,
-                            std::vector<torch::Tensor> transforms, torch::Tensor slot_mapping, torch::Tensor rows,
-                            torch::Tensor spans, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
-                            double eps, double scale);
+                            std::vector<torch::Tensor> norms, std::vector<torch::Tensor> ropes,
+                            std::vector<torch::Tensor> caches, std::vector<torch::Tensor> transforms,
+                            torch::Tensor slot_mapping, std::vector<torch::Tensor> row_sets,
+                            std::vector<int64_t> windowed, int64_t num_heads, int64_t num_kv_heads, double eps,
+                            double scale, bool gelu);

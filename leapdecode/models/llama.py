@@ -96,12 +96,13 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
         self.act = cfg.hidden_act  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-        self.use_kernel = False  # set by small_gemm.enable: SiLU-and-multiply in one C++ call
+        self.use_kernel = False  # set by small_gemm.enable: the activation and the product in one C++ call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act == "silu" and self.use_kernel and gate_up.dtype == torch.float32 and not gate_up.requires_grad:
-            return self.down_proj(small_gemm.silu_mul(gate_up))
+        if self.use_kernel and gate_up.dtype == torch.float32 and not gate_up.requires_grad:
+            act = small_gemm.gelu_tanh_mul if self.act == "gelu_tanh" else small_gemm.silu_mul
+            return self.down_proj(act(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         if self.act == "gelu_tanh":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -123,8 +124,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # the C++ layer (decoder_stack.cpp) computes Llama's layout with SiLU, no q/k norms
-        self.fusable = not (cfg.sandwich_norms or cfg.qk_norm) and cfg.hidden_act == "silu"
+        # the one-layer C++ call (decoder_layer) computes Llama's layout with SiLU; the stack (decoder_stack) also
+        # the normed layout: q/k norms, the norms around each block, GeGLU (float32 caches)
+        self.normed = cfg.sandwich_norms or cfg.qk_norm or cfg.hidden_act != "silu"
+        self.fusable = not self.normed
         self.use_kernel = False  # set by small_gemm.enable when every part of the layer has its kernel
         self._fused_args: tuple | None = None  # the packed weights etc. for _fused, gathered on first use
 
@@ -141,20 +144,27 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused_args(self) -> tuple:
-        """(weights, qkv bias, heads, KV heads, eps, scale) for the C++ layer; gathered once (nn.Module attribute
-        lookups cost more than the call), so the packed weights must not change after ``small_gemm.enable``."""
+        """(weights, qkv bias, heads, KV heads, eps, scale, normed layout's 4 norms or None, windowed, GeGLU) for
+        the C++ layer; gathered once (nn.Module attribute lookups cost more than the call), so the packed weights
+        must not change after ``small_gemm.enable``. The weights' 4th is the MLP's input norm."""
         if self._fused_args is None:
             a, m = self.self_attn, self.mlp
-            w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed,
-                 self.post_attention_layernorm.weight, m.gate_up_proj.packed, m.down_proj.packed]
-            self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
+            mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+            w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed, mlp_norm.weight,
+                 m.gate_up_proj.packed, m.down_proj.packed]
+            norms = None
+            if self.normed:
+                outs = [self.post_attention_layernorm, self.post_feedforward_layernorm] if self.sandwich else [None] * 2
+                norms = [None if n is None else n.weight for n in (a.q_norm, a.k_norm, *outs)]
+            self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale,
+                                norms, a.window is not None, m.act == "gelu_tanh")
         return self._fused_args
 
     def _fused(self, x, rope, planes: tuple[list[torch.Tensor], list[torch.Tensor]], meta) -> torch.Tensor:
         """The same layer in one C++ call (kernels/decoder_stack.cpp) for steps made only of few-token rows: the
         same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls. ``planes``
         is :func:`fused_kv` of the layer's cache; ``meta`` the step as this layer's window sees it."""
-        w, bias, heads, kv_heads, eps, scale = self.fused_args()
+        w, bias, heads, kv_heads, eps, scale = self.fused_args()[:6]
         caches, transforms = planes
         t = x.shape[0]
         if transforms:  # int8 planes
@@ -226,9 +236,11 @@ class LlamaForCausalLM(nn.Module):
         stack = self._layer_stack(x, kv_caches, meta, run)
         if stack is not None:  # every layer in one C++ call: the same routines as the loop below, same bits
             t = x.shape[0]
-            seen = meta.for_window(self.layers[run.start].self_attn.window)
-            x = small_gemm.decoder_stack(x.contiguous(), stack, rope[0].view(t, -1), rope[1].view(t, -1),
-                                         meta.slot_mapping, seen.kernel_rows())  # fmt: skip
+            ropes = [rope[0].view(t, -1), rope[1].view(t, -1), local[0].view(t, -1), local[1].view(t, -1)]
+            global_rows = meta.kernel_rows() if not all(stack.weights.windowed) else ()
+            local_rows = meta.for_window(stack.window).kernel_rows() if stack.window is not None else ()
+            x = small_gemm.decoder_stack(x.contiguous(), stack, ropes, meta.slot_mapping,
+                                         [*(global_rows or local_rows), *(local_rows or global_rows)])
         else:
             for i in run:
                 layer = self.layers[i]
@@ -251,14 +263,13 @@ class LlamaForCausalLM(nn.Module):
         if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32):
             return None
         windows = {self.layers[i].self_attn.window for i in run}
-        if len(windows) != 1 or not meta.for_window(windows.pop()).all_kernel_rows():
-            return None  # one slot list serves every layer of the call: layers of one window only
+        if len(windows - {None}) > 1 or not all(meta.for_window(w).all_kernel_rows() for w in windows):
+            return None  # two slot lists serve the layers of the call: global, and one sliding window
         key = (run.start, run.stop)
         if key not in self._stack_weights:
             self._stack_weights[key] = [self.layers[i] for i in run], None
         layers, weights = self._stack_weights[key]
-        if not all(layer.fusable and layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks)
-                   for layer in layers):
+        if not all(layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
             return None  # (a layer with hooks must be called as a module, or its hooks would not run)
         if weights is None:  # gathered once every layer has its packed weights (small_gemm.enable)
             weights = small_gemm.stack_weights([layer.fused_args() for layer in layers])
@@ -266,8 +277,11 @@ class LlamaForCausalLM(nn.Module):
         planes = [fused_kv(kv_caches[i]) for i in run]
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
+        if weights.norms and planes[0][1]:  # type: ignore[index]
+            return None  # the normed layout runs over float32 caches only
         return small_gemm.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
-                                     [t for p in planes for t in p[1]])  # type: ignore[index]
+                                     [t for p in planes for t in p[1]],  # type: ignore[index]
+                                     next(iter(windows - {None}), None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
