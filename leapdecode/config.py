@@ -23,6 +23,7 @@ from leapdecode.speculative.options import (
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SPEC_METHODS = METHODS
 LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -54,6 +55,14 @@ class SpeculativeConfig:
     lower_below: float = 0.5
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
+    # chunked verification of long chains (speculative/speculator.py): None = the step-cost model decides whether
+    # to verify only the first drafts of a long chain and keep the rest for the next step; 0 = never; N = verify
+    # at most N drafts per pass
+    verify_chunk: int | None = None
+    # under load, size the drafts of a step together (speculative/policy.group_by_acceptance): sequences with the
+    # best acceptance draft first, the others see the step their drafts already made longer; False = each
+    # sequence decides alone, as if every other one verified a single token
+    group_by_acceptance: bool = True
     # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
     # int8 activations while the target verifies in float32 (the target checks every token, so the drafter's
     # precision moves acceptance, never the output); None = the target's. With "model": "target" the drafter
@@ -102,6 +111,11 @@ class SpeculativeConfig:
             1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max"
         )
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
+        _check(isinstance(self.group_by_acceptance, bool),
+               f"group_by_acceptance must be true or false, got {self.group_by_acceptance!r}")
+        _check(self.verify_chunk is None or (isinstance(self.verify_chunk, int) and not isinstance(
+            self.verify_chunk, bool) and self.verify_chunk >= 0),
+            f"verify_chunk must be null (the cost model decides), 0 (never) or N >= 1, got {self.verify_chunk!r}")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
         _check(
             self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,
@@ -123,8 +137,15 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     # share of free memory the KV pool may take when kv_cache_blocks is None (it is also capped at what
-    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used
+    # max_num_seqs full-length sequences need); pages are touched only as blocks are first used. Not on CUDA,
+    # which sizes the pool from gpu_memory_utilization
     kv_cache_memory_fraction: float = 0.05
+    # on CUDA instead: the share of the GPU's whole memory this engine may hold -- weights, the largest step's
+    # activations and the KV pool together -- as vLLM's option of the same name (engine/gpu_memory.py)
+    gpu_memory_utilization: float = 0.9
+    # CUDA: False captures decode and verification steps in CUDA graphs per padded batch size
+    # (engine/cuda_graphs.py); True always runs eagerly (vLLM's name)
+    enforce_eager: bool = False
     # KV storage: "auto" = the model dtype; "int8" quantizes on write (3.9x smaller than float32; kv_quant.py)
     kv_cache_dtype: str = "auto"
     # int8 only: fit the keys' per-channel shift and smoothing on a few built-in texts at start-up (~1 s;
@@ -169,10 +190,14 @@ class EngineConfig:
             f"kv_cache_blocks must be None (size from memory) or >= 1, got {self.kv_cache_blocks!r}",
         )
         _check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
-        kv_choices = ("auto", "float32", "float16", "bfloat16", "int8")
         _check(
-            self.kv_cache_dtype in kv_choices,
-            f"kv_cache_dtype must be one of {kv_choices}, got {self.kv_cache_dtype!r}",
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        _check(isinstance(self.enforce_eager, bool), f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _check(
             isinstance(self.kv_calibration, bool), f"kv_calibration must be True or False, got {self.kv_calibration!r}"

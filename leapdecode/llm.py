@@ -72,12 +72,16 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         raise TypeError('a prompt must be a string or a dict with "prompt_token_ids" (or "prompt")')
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """``conversation``'s token ids through the chat template; ``tools``: OpenAI-style function definitions for
+        templates that show them to the model."""
         if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
-        return chat_token_ids(self.engine.tokenizer, conversation)
+        return chat_token_ids(self.engine.tokenizer, conversation, tools)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -97,6 +101,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in order, each with ``SamplingParams.n`` completions."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._tokenize(p) for p in prompts]

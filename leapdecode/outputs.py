@@ -21,6 +21,11 @@ class RequestMetrics:
     # drafts a lossy acceptance rule (blockwise top-k) kept although the target ranked another token first:
     # 0 for every lossless method, so a nonzero count is the per-request sign of drift
     num_lossy_tokens: int = 0
+    # speculative "auto" (speculative/router.py): the route taken (task, branch of the decision tree, candidates,
+    # departures), target steps each method drafted for, and how often the copy detector switched domain
+    route: str | None = None
+    draft_methods: dict[str, int] = field(default_factory=dict)
+    num_domain_switches: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,12 +43,30 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position; ``rank`` is 1 for the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position: the chosen token and the top-k tokens, by id
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
+    """One of a request's ``n`` completions. ``logprobs`` (when asked for) has one entry per token of
+    ``token_ids``; ``cumulative_logprob`` is the sum of the chosen tokens' log-probabilities."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -54,3 +77,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # one entry per prompt token (the first is None: nothing predicts it), when prompt_logprobs was asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -13,6 +13,11 @@ import torch
 # LEAPDECODE_TEST_THREADS=N (e.g. for the slow bundled-model tests on an idle machine).
 torch.set_num_threads(max(1, min(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")), os.cpu_count() or 1)))
 
+# No GPU: the Triton kernels (layers/triton_attention.py) run through Triton's interpreter, which must be chosen
+# before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_DEFAULTS = dict(
     vocab_size=49152,  # the bundled tokenizer's vocabulary, so tiny models speak real text
     hidden_size=64,
@@ -31,9 +36,12 @@ TINY_DEFAULTS = dict(
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The bundled model's tokenizer (with chat template), saved as HF files once per session."""
+    """The bundled model's tokenizer (with chat template), saved as HF files once per session;
+    ``$LEAPDECODE_TOKENIZER_DIR`` instead where the model is not installed (scripts/gpu_check.sh on a GPU machine)."""
     from leapdecode.models.loader import bundled_model_path, load_tokenizer
 
+    if os.environ.get("LEAPDECODE_TOKENIZER_DIR"):
+        return Path(os.environ["LEAPDECODE_TOKENIZER_DIR"])
     d = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(bundled_model_path()).save_pretrained(str(d))
     return d

@@ -55,18 +55,31 @@ def test_records_rebuild_gguf_weights_and_kernel_matches_float_panels(type_name)
         assert torch.equal(y[:1], small_gemm.packed_linear(x[:1], qw.records, None))  # row-count invariant
 
 
-def test_fused_parts_of_different_kinds_take_the_general_kind():
+def test_fused_parts_of_different_kinds_keep_their_own_records():
+    """A fused weight whose parts differ in kind is segments of each part's own records: bitwise the float32
+    result of the joined weight, at the bytes of its parts, and its int8-activation form is the parts' own."""
     k = 256
     order = np.random.default_rng(0).permutation(16)  # a part read in another row order (llama.cpp's Q/K)
-    parts = [("Q4_K", random_blocks("Q4_K", 32, k, 1), (32, k)), ("Q6_K", random_blocks("Q6_K", 16, k, 2), (16, k)),
+    parts = [("Q4_K", random_blocks("Q4_K", 32, k, 1), (32, k)), ("Q4_K", random_blocks("Q4_K", 16, k, 4), (16, k)),
+             ("Q6_K", random_blocks("Q6_K", 16, k, 2), (16, k)),
              ("Q5_0", random_blocks("Q5_0", 16, k, 3), (16, k), order)]  # fmt: skip
     qw = QuantizedWeight.from_gguf(parts)
-    ref = torch.cat([reference(*p[:3]) for p in parts[:2]] + [reference(*parts[2][:3])[order]])
-    assert qw.kind == "q8g" and qw.source == "Q4_K+Q6_K+Q5_0"
-    assert torch.equal(qw.dequantize(), ref)
+    ref = torch.cat([reference(*p[:3]) for p in parts[:3]] + [reference(*parts[3][:3])[order]])
+    assert qw.kind == "q4k+q6k+q8" and qw.source == "Q4_K+Q4_K+Q6_K+Q5_0"
+    assert qw.nbytes == QuantizedWeight.held_bytes([(p[0], p[2]) for p in parts])
+    assert qw.nbytes < 512 + sum(QuantizedWeight.held_bytes([(p[0], p[2])]) for p in parts)
+    assert torch.equal(qw.dequantize(), ref) and torch.equal(qw.dequantize(torch.tensor([40, 3, 79])), ref[[40, 3, 79]])
     x = torch.randn(3, k)
     panels = small_gemm.pack(ref)
     assert torch.equal(small_gemm.packed_linear(x, qw.records, None), small_gemm.packed_linear(x, panels, None))
+    int8 = qw.int8_activation_records()
+    alone = [QuantizedWeight.from_gguf(parts[:2]), QuantizedWeight.from_gguf(parts[2:3]),
+             QuantizedWeight.from_gguf(parts[3:])]
+    y = torch.cat([small_gemm.packed_linear(x, a.int8_activation_records(), None) for a in alone], dim=1)
+    assert torch.equal(small_gemm.packed_linear(x, int8, None), y)
+    assert small_gemm.int8_activation_layout(int8) and not small_gemm.int8_activation_layout(qw.records)
+    assert [tuple(s.shape) for s in small_gemm.segments_of(int8)] == [(3, 1, 38, 64), (1, 1, 53, 64), (1, 8, 9, 64)]
+    assert qw.select_rows(torch.arange(16)) is None
     same = QuantizedWeight.from_gguf(parts[:1] * 2)  # parts of one kind keep it
     assert same.kind == "q4k" and torch.equal(same.dequantize(), torch.cat([ref[:32], ref[:32]]))
 
@@ -91,11 +104,11 @@ def test_int8_activation_layout_from_records(type_name):
     assert torch.equal(bq.dequantize(), qw.dequantize())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q8_0", "Q5_K"])
 def test_int8_activation_records_match_their_q4_or_q8_form(type_name):
     """Q4_K's own int8-activation layout (super-block header kept) gives bitwise what its per-32 Q4 form gives;
-    other kinds are rounded to Q8_0 once more: half a step of each block's max|w| / 127, plus the fp16 rounding of
-    that step (gguf's own Q8_0)."""
+    kinds the kernel has no integer form of are rounded to Q8_0 once more: half a step of each block's
+    max|w| / 127, plus the fp16 rounding of that step (gguf's own Q8_0)."""
     n, k = 32, 512
     qw = QuantizedWeight.from_gguf([(type_name, random_blocks(type_name, n, k, seed=9), (n, k))])
     packed = qw.int8_activation_records()
@@ -110,6 +123,35 @@ def test_int8_activation_records_match_their_q4_or_q8_form(type_name):
     w = qw.dequantize().reshape(n, k // 32, 32)
     err = (bq.dequantize().reshape(n, k // 32, 32) - w).abs()
     assert (err <= w.abs().amax(-1, keepdim=True) * (0.5 + 127 / 2048) / 127 + 1e-7).all()
+
+
+def _int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The int8-activation definition: x rounded to int8 per 32 inputs (scale max|x| / 127), times the weights
+    in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb))
+    return (q.double() * (amax / 127).double()).reshape(m, k) @ w.double().T
+
+
+@pytest.mark.parametrize(("type_name", "lines", "span"), [("Q6_K", 53, 256), ("Q4_0", 5, 32), ("Q4_1", 5, 32)])
+def test_int8_activation_layouts_keep_the_files_own_codes(type_name, lines, span):
+    """Q6_K (6-bit codes, an int8 scale per 16 inputs) and Q4_0/Q4_1 (fp16 scales) are multiplied in their own
+    form, with no second rounding of the weights: the result is the definition's up to float32 sums, and each
+    row's is the same whatever the batch. The layout holds as many bytes as the float records."""
+    n, k = 48, 512
+    qw = QuantizedWeight.from_gguf([(type_name, random_blocks(type_name, n, k, seed=5), (n, k))])
+    packed = qw.int8_activation_records()
+    assert packed.shape == (n // 16, k // span, lines, 64) and packed.numel() == qw.records.numel()
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 1, 11).view(-1, 1)
+    x[3, 32:64] = 0.0  # an all-zero block of x
+    y = small_gemm.packed_linear(x, packed, None)
+    ref = _int8_activation_reference(x, qw.dequantize())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for m in (1, 3, 8, 9):
+        assert torch.equal(small_gemm.packed_linear(x[:m], packed, None), y[:m])
+    assert small_gemm.A8_KIND_OF_LINES[lines] == qw.kind
 
 
 def test_python_and_kernel_agree_on_each_types_record_kind():

@@ -100,7 +100,7 @@ def test_int8_activations_setting_is_checked(tiny_model_dir) -> None:
 def test_bundled_model_at_int8_activations_is_lossless_under_speculation() -> None:
     llm = LLM(linear_kernel="packed-int8act", kv_cache_blocks=512)
     formats = small_gemm.packed_formats(llm.engine.model)
-    assert formats.get("q4-int8act", 0) >= 120 and formats.get("q8-int8act") == 1
+    assert formats.get("q4h-int8act", 0) >= 120 and formats.get("q8-int8act") == 1
     conv = [[{"role": "user", "content": q}] for q in ("Name three colours.", "What is 12 times 7? Explain.")]
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = [o.outputs[0].token_ids for o in llm.chat(conv, params, use_tqdm=False)]
@@ -136,7 +136,7 @@ def test_int8_activation_draft_of_the_bundled_model_is_verified_losslessly(bundl
     spec = LLM.from_engine_of(bundled_llm, speculative_config={
         "method": "draft_model", "model": "target", "draft_linear_kernel": "packed-int8act",
         "num_speculative_tokens": 4, "use_cost_model": False})
-    assert small_gemm.packed_formats(spec.engine.speculator.proposer.model).get("q4-int8act", 0) >= 120
+    assert small_gemm.packed_formats(spec.engine.speculator.proposer.model).get("q4h-int8act", 0) >= 120
     out = spec.chat(conv, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == plain
     drafted = sum(o.metrics.num_draft_tokens for o in out)

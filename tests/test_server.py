@@ -26,8 +26,11 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.server.api_server import DEFAULT_MAX_REQUEST_BYTES, TextDeltas, add_cli, build_app, make_server
+from leapdecode.server.api_server import build_app
 from leapdecode.server.async_engine import AsyncEngine
+from leapdecode.server.defaults import DEFAULT_MAX_REQUEST_BYTES
+from leapdecode.server.serve import add_cli, make_server
+from leapdecode.server.streaming import TextDeltas
 from tests.conftest import assert_no_leaks
 
 HOST = "127.0.0.1"
@@ -195,7 +198,7 @@ def test_async_engine_generate_abort_and_refusals(tiny_model_dir, one_torch_thre
         engine.start()
         try:
             outs = [o async for o in engine.generate(ids, greedy())]
-            assert outs[-1].finished and outs[-1].text == want
+            assert outs[-1].finished and outs[-1].choices[0].text == want
             assert all(not o.finished for o in outs[:-1])
             async for _ in engine.generate(ids, greedy(500, ignore_eos=True)):
                 break  # leaving early aborts
@@ -386,6 +389,7 @@ def test_speculative_opt_out_reaches_the_engine(
         assert {"num_draft_tokens", "num_accepted_tokens", "mean_accepted_tokens"} <= set(extra)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_REQUESTS = [
     # (path, body: str or bytes sent as is / anything else as JSON, status, param)
     ("/v1/chat/completions", "{not json", 400, None),
@@ -432,8 +436,31 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "top_k": 10**9}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, 400, "seed"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [""]}, 400, "stop"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 1000}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS}, 400, "tool_choice"),  # "auto" by default
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice",
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1000}, 400, "max_tokens"),
@@ -441,11 +468,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
 ]
 
 

@@ -95,6 +95,10 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
+    ("GET", "/version"),
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 

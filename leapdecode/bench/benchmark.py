@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,68 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
+from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weight_bytes_per_step
+from leapdecode.bench.methods import METHOD_DEFAULTS
 from leapdecode.bench.prompts import load_prompt_set
-from leapdecode.bench.rows import Row, median
+from leapdecode.bench.report import add_report_args, cmd_report
+from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.threads import THREADS_HELP
-
-METHOD_DEFAULTS: dict[str, dict | None] = {
-    "none": None,
-    "ngram": {"method": "ngram"},
-    "draft_model": {"method": "draft_model"},
-    "self_spec": {"method": "self_spec"},
-    "eagle": {"method": "eagle"},
-    "eagle_tree": {"method": "eagle", "tree_nodes": 4},  # the dynamic draft tree (speculative/methods/eagle.py)
-    "medusa": {"method": "medusa"},
-    "hybrid": {"method": "hybrid"},
-    "blockwise": {"method": "blockwise"},
-    "auto": {"method": "auto"},
-}
-
-
-def machine_info() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}{gpu}")
-
-
-def measure_bandwidth_gbps(device: torch.device, mb: int = 512) -> float:
-    """Achievable read bandwidth: median time to sum a buffer larger than the caches."""
-    x = torch.ones(mb * (1 << 20) // 4, device=device)
-    ts = []
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum().item()
-        ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(ts) / 1e9
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head), in the
-    form its kernel reads it (float32 panels or the checkpoint's blocks, layers/block_formats.py)."""
-    seen, total = set(), 0
-    for mod in model.modules():
-        packed = getattr(mod, "packed", None)
-        if packed is not None:
-            owner = mod.owner() if hasattr(mod, "owner") else mod  # a tied LM head reads the embedding's weight
-            seen.add(id(getattr(owner, "weight", None)))
-            total += packed.numel() * packed.element_size()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
-
 
 BATCHED_ROUNDS = 3  # batched rows: the median of this many runs per engine, interleaved like batch-1 requests
 
@@ -142,7 +86,9 @@ def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -
     return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, median([o.metrics.ttft_s * 1e3 for o in outs]),
                tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
                num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
-               num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs))
+               num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs),
+               routes=dict(Counter(o.metrics.route for o in outs if o.metrics.route)),
+               draft_methods=dict(sum((Counter(o.metrics.draft_methods) for o in outs), Counter())))
 
 
 CEILING_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65)  # verified rows per step at which the target's step is timed
@@ -276,6 +222,8 @@ def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, li
 def cmd_bench(args: argparse.Namespace) -> int:
     from leapdecode import LLM, SamplingParams
 
+    if args.report:
+        return cmd_report(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     overrides = json.loads(args.method_config) if args.method_config else {}
     for m in methods:
@@ -359,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
     llamacpp_costs: list[tuple[int, float]] = []
     if "hf" in compare:
-        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device))
+        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device, base.config.torch_dtype))
     if "llama.cpp" in compare:
         context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
         r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,
@@ -422,6 +370,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      "time measured after the runs: " + "; ".join(
                          (f"[{tag}] " if tag else "") + ", ".join(f"{n} rows {t * 1e3:.2f} ms" for n, t in pts)
                          for tag, pts in step_costs.items()) + ".")
+    if args.explain:
+        notes += ["", "Routes of the speculative `auto` router (--explain):", "", *explain_rows(rows)]
     print(table)
     print("\n".join(notes))
     if args.out:
@@ -486,7 +436,10 @@ def add_cli(sub) -> None:
                    "acceptance would reach if drafting were free (mean accepted x t(1) / t(rows)): whether a "
                    "drafter could pay on this machine at all, apart from its own cost")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    p.add_argument("--explain", action="store_true",
+                   help="say which route the speculative \"auto\" router took per request, and which methods drafted")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw the batch-1 tok/s and (with --ceiling) the step-cost curves to PNG (needs matplotlib)")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    add_report_args(p)
     p.set_defaults(func=cmd_bench)

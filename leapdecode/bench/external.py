@@ -14,26 +14,26 @@ from leapdecode.bench.rows import Row, median
 from leapdecode.threads import available_cpus
 
 
-def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device) -> Row:
+def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos: list[int], device,
+           dtype: torch.dtype = torch.float32) -> Row:
+    """HF ``generate`` one prompt at a time, in ``dtype`` (the engine's, so a GPU compares bfloat16 with bfloat16)."""
     from transformers import AutoModelForCausalLM
 
     if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     model = model.to(device).eval()
     tps, tpot, ttft, toks = [], [], [], []
     with torch.inference_mode():
         x = torch.tensor([prompts_ids[0]], device=device)
-        model.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])  # warm-up
+        model.generate(x, max_new_tokens=4, do_sample=False, **_hf_stop(eos, 4))  # warm-up
         for ids in tqdm(prompts_ids, desc="hf transformers", leave=False):
             x = torch.tensor([ids], device=device)
             t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            model.generate(x, max_new_tokens=1, do_sample=False, **_hf_stop(eos, 1))
             t1 = time.perf_counter()
-            out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos[0])
+            out = model.generate(x, max_new_tokens=max_tokens, do_sample=False, **_hf_stop(eos, max_tokens))
             w = time.perf_counter() - t1
             gen = out[0, len(ids):].tolist()
             toks.append(gen)
@@ -43,6 +43,13 @@ def run_hf(model_path: Path, prompts_ids: list[list[int]], max_tokens: int, eos:
                 tpot.append((w - (t1 - t0)) * 1e3 / (len(gen) - 1))
     return Row("hf-transformers", "none", 1, len(prompts_ids), sum(map(len, toks)), median(tps), median(ttft),
                median(tpot), token_ids=toks)
+
+
+def _hf_stop(eos: list[int], max_new_tokens: int) -> dict:
+    """HF ``generate`` arguments that stop at ``eos``, or (empty: ``--ignore-eos``) never stop early."""
+    if eos:
+        return {"eos_token_id": eos, "pad_token_id": eos[0]}
+    return {"min_new_tokens": max_new_tokens, "pad_token_id": 0}
 
 
 def run_isolated(fn, *args, what: str):

@@ -36,6 +36,22 @@ class Row:
     num_draft_tokens: int = 0
     load_s: float | None = None  # the system's model load time (first `none` row and external systems)
     peak_rss_mb: float | None = None  # its process's peak resident memory after load and the first request
+    # speculative "auto" (--explain): requests per route the router took, target steps drafted per method
+    routes: dict[str, int] = field(default_factory=dict)
+    draft_methods: dict[str, int] = field(default_factory=dict)
+
+
+def explain_rows(rows: list[Row]) -> list[str]:
+    """``--explain``: for each row that ran the router, its routes (with how many requests took each) and the
+    target steps each method drafted."""
+    lines = []
+    for r in rows:
+        if not r.routes:
+            continue
+        steps = ", ".join(f"{k} {v}" for k, v in sorted(r.draft_methods.items())) or "none"
+        lines.append(f"- {r.method} at batch {r.batch}: steps drafted by method: {steps}")
+        lines += [f"  - {n} request(s): {route}" for route, n in sorted(r.routes.items(), key=lambda x: -x[1])]
+    return lines
 
 
 def median(xs: list[float]) -> float:

@@ -12,14 +12,14 @@ none comes from a benchmark, so calibrating never sees evaluation prompts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.models.loader import chat_token_ids
-
-if TYPE_CHECKING:
-    from leapdecode.engine.llm_engine import LLMEngine
 
 CHAT_TURNS: tuple[str, ...] = (
     "I keep forgetting to water my plants. Can you suggest a simple routine that works for a busy week?",
@@ -42,9 +42,9 @@ PLAIN_TEXTS: tuple[str, ...] = (
 )
 
 
-def calibration_token_lists(engine: LLMEngine) -> list[list[int]]:
-    """The calibration texts as token ids: chat turns through the model's chat template when it has one."""
-    tok = engine.tokenizer
+def calibration_token_lists(tok: Any) -> list[list[int]]:
+    """The calibration texts as token ids for the transformers tokenizer ``tok``: chat turns through the model's
+    chat template when it has one."""
     lists = []
     if getattr(tok, "chat_template", None):
         lists += [chat_token_ids(tok, [{"role": "user", "content": turn}]) for turn in CHAT_TURNS]
@@ -55,16 +55,15 @@ def calibration_token_lists(engine: LLMEngine) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def calibrate_int8_keys(engine: LLMEngine, token_lists: list[list[int]] | None = None) -> int:
-    """Prefill each token list into borrowed blocks with key observation on, then set the cache's key shift and
-    smoothing; returns the number of key rows observed per layer. Lists longer than the free KV space are cut."""
-    from leapdecode.engine.model_runner import ForwardItem
-
-    kv, bm = engine.kv_cache, engine.block_manager
+def calibrate_int8_keys(runner: ModelRunner, kv: KVCache, bm: BlockManager, token_lists: list[list[int]],
+                        max_tokens: int) -> int:
+    """Prefill each token list (cut to ``max_tokens``, the longest pass the engine runs) into blocks borrowed from
+    ``bm`` through ``runner`` with ``kv`` observing keys, then set the cache's key shift and smoothing; returns the
+    number of key rows observed per layer. Lists longer than the free KV space are cut too. The engine passes its
+    runner, cache and block manager, not itself: calibration needs nothing else of it."""
     if bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError("calibrate the int8 KV cache before it holds any tokens")
-    token_lists = calibration_token_lists(engine) if token_lists is None else token_lists
-    cap = min(engine.max_model_len, bm.num_free_blocks * bm.block_size, engine.config.max_num_batched_tokens)
+    cap = min(max_tokens, bm.num_free_blocks * bm.block_size)
     kv.observe_keys(True)
     try:
         for ids in token_lists:
@@ -72,7 +71,7 @@ def calibrate_int8_keys(engine: LLMEngine, token_lists: list[list[int]] | None =
             if not ids:
                 continue
             with bm.borrowed(len(ids), "KV calibration") as table:
-                engine.runner.execute([ForwardItem(table, 0, ids, [len(ids) - 1])])
+                runner.execute([ForwardItem(table, 0, ids, [len(ids) - 1])])
     except BaseException:
         kv.observe_keys(False)
         raise

@@ -9,18 +9,31 @@ import torch
 
 from leapdecode import threads
 from leapdecode.config import EngineConfig
+from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.engine.kv_cache import KVCache
-from leapdecode.engine.model_runner import ForwardItem, ModelRunner
+from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
+from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
 from leapdecode.layers import small_gemm
-from leapdecode.layers.sampler import apply_repetition_penalty, processed_probs, sample_from
+from leapdecode.layers.sampler import (
+    RowContext,
+    apply_processors,
+    logprob_rows,
+    position_logprobs,
+    processed_logits,
+    sample_from,
+)
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
-from leapdecode.outputs import CompletionOutput, RequestOutput
+from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative.speculator import Speculator
+from leapdecode.structured import StructuredOutputBackend, make_backend
+
+# the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
+SEQ_ID_SEP = "\x1f"
 
 
 class KVCapacityError(ValueError):
@@ -57,28 +70,47 @@ class LLMEngine:
         from leapdecode.layers.kv_quant import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
-        num_blocks = config.kv_cache_blocks or KVCache.auto_num_blocks(
-            mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
-            config.kv_cache_memory_fraction, config.kv_device_layers,
-        )
-        self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
+        if config.kv_cache_blocks:
+            num_blocks = config.kv_cache_blocks
+        elif self.device.type == "cuda":  # a share of the whole GPU, after profiling the largest step
+            num_blocks = gpu_memory.num_blocks_for_utilization(
+                model, mcfg, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
+                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens, config.kv_device_layers,
+            )
+        else:
+            num_blocks = KVCache.auto_num_blocks(
+                mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
+                config.kv_cache_memory_fraction, config.kv_device_layers,
+            )
+        use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers,
+                                        bool(mcfg.attention_windows()))
+        # with CUDA graphs, one more block that no sequence owns takes the padding rows' K/V writes
+        pool_blocks = num_blocks + (cuda_graphs.SCRATCH_BLOCKS if use_graphs else 0)
+        self.kv_cache = KVCache(mcfg, pool_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = None
         if config.swap_space_gb > 0:
             from leapdecode.engine.swap import HostKVPool
 
-            per_block = self.kv_cache.nbytes // num_blocks
+            per_block = self.kv_cache.nbytes // pool_blocks
             self.swap = HostKVPool(self.kv_cache, int(config.swap_space_gb * (1 << 30)) // per_block, config.swap_path)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, swap=self.swap
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.device)
         if kv_dtype == torch.int8 and config.kv_calibration:
-            from leapdecode.engine.kv_calibration import calibrate_int8_keys
-
-            calibrate_int8_keys(self)
+            calibrate_int8_keys(self.runner, self.kv_cache, self.block_manager,
+                                calibration_token_lists(self.tokenizer),
+                                min(self.max_model_len, config.max_num_batched_tokens))
+        self.graphs: cuda_graphs.StepGraphs | None = None
+        if use_graphs:  # after calibration, which must see every step's keys
+            self.graphs = cuda_graphs.StepGraphs(model, self.kv_cache, config.block_size, self.device,
+                                                 self.max_model_len, config.max_num_seqs, scratch_block=num_blocks)
+            self.runner.graph_step = self.graphs.execute
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self._structured: StructuredOutputBackend | None = None  # made on the first structured request
+        self._token_texts: dict[int, str] = {}  # decode_token's cache
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
                       "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
@@ -125,6 +157,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -141,17 +175,33 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, prompt_token_ids, params, prompt, self.eos_token_ids)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            sid = request_id if params.n == 1 else f"{request_id}{SEQ_ID_SEP}{i}"
+            seq = Sequence(sid, prompt_token_ids, params, prompt, self.eos_token_ids, group_id=request_id, index=i)
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured_backend().matcher(params.structured_outputs)
+            if i > 0 and self.config.enable_prefix_caching:
+                seq.prefix_leader = seqs[0]  # share the prompt's blocks through the prefix cache
+            seq.group = seqs
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
         self.stats["num_prompt_tokens"] += n
         return request_id
 
+    def structured_backend(self) -> StructuredOutputBackend:
+        """The grammar engine, made (tokenizer compiled) on the first request that asks for structured output."""
+        if self._structured is None:
+            self._structured = make_backend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._structured
+
     def abort_request(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            seq.finish_reason = "abort"
-            self._finish(seq)
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,47 +222,58 @@ class LLMEngine:
         if spec:
             spec.propose([s for s in sched.scheduled if s.spec_budget > 0])
         items: list[ForwardItem] = []
+        num_prompt_rows: list[int] = []
         for s in sched.scheduled:
             seq = s.seq
             start, n = seq.num_computed_tokens, s.num_new_tokens
             reaches_end = start + n == seq.num_tokens
             drafts = seq.draft_token_ids if reaches_end else []
+            # a request scoring its prompt also needs the logits of the prompt positions this chunk computes
+            pr = min(n, seq.num_prompt_tokens - 1 - start) if seq.prompt_logprobs is not None else 0
+            num_prompt_rows.append(max(pr, 0))
             items.append(
                 ForwardItem(
                     seq.block_table,
                     start,
                     seq.token_ids[start : start + n] + drafts,
-                    list(range(n - 1, n + len(drafts))) if reaches_end else [],
+                    list(range(num_prompt_rows[-1])) + (list(range(n - 1, n + len(drafts))) if reaches_end else []),
                 )
             )
             if drafts:
                 spec.shape_item(seq, items[-1], n)  # candidate trees: RoPE depths + ancestor mask
         results = self._execute(items)
 
-        outputs: list[RequestOutput] = []
+        touched: dict[str, list[Sequence]] = {}  # requests with news this step, in schedule order
         sample_seqs, sample_logits, sample_res = [], [], []
-        for s, res in zip(sched.scheduled, results):
+        for s, res, pr in zip(sched.scheduled, results, num_prompt_rows):
             seq = s.seq
+            if pr:
+                self._record_prompt_logprobs(seq, seq.num_computed_tokens, res.logits[:pr])
+                res = ForwardResult(res.logits[pr:], res.hidden[pr:])
             seq.num_computed_tokens += s.num_new_tokens
             if seq.num_computed_tokens < seq.num_tokens:  # chunked prefill continues next step
                 self.block_manager.commit_full_blocks(seq)
                 continue
-            if seq.draft_token_ids:
-                new_tokens, accepted = spec.verify(seq, res)
+            if seq.params.max_tokens == 0:  # prompt scoring: the prompt's log-probabilities were all it asked
+                seq.finish_reason = "length"
+                self._finish(seq)
+                touched[seq.group_id] = seq.group
+            elif seq.draft_token_ids:
+                new_tokens, accepted, drawn = spec.verify(seq, res)
                 seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
-                self._emit(seq, new_tokens, outputs)
+                self._emit(seq, new_tokens, self._logprobs_of(seq, drawn, new_tokens), touched)
                 spec.observe(seq, res)  # drafters reading hidden states (Medusa) get the last emitted row's
             else:
                 sample_seqs.append(seq)
                 sample_logits.append(res.logits[-1])
                 sample_res.append(res)
         if sample_seqs:
-            tokens = self.sample(sample_seqs, torch.stack(sample_logits))
-            for seq, tok, res in zip(sample_seqs, tokens, sample_res):
-                self._emit(seq, [tok], outputs)
+            tokens, logprobs = self.sample(sample_seqs, torch.stack(sample_logits))
+            for seq, tok, lp, res in zip(sample_seqs, tokens, logprobs, sample_res):
+                self._emit(seq, [tok], lp, touched)
                 if spec:
                     spec.observe(seq, res)
-        return outputs
+        return [self.make_output(group) for group in touched.values()]
 
     def _execute(self, items: list[ForwardItem]):
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
@@ -228,20 +289,62 @@ class LLMEngine:
         tuner.observe(rows, n, time.perf_counter() - t0)
         return results
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        logits = apply_repetition_penalty(
-            logits, [s.token_ids for s in seqs], [s.params.repetition_penalty for s in seqs]
-        )
-        greedy_tokens = logits.argmax(dim=-1).tolist()
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[list[PositionLogprobs] | None]]:
+        """One token per sequence from its last logits row (processors, then greedy or a draw), and its
+        log-probability entry where the request asked for them."""
+        if any(s.params.has_processors for s in seqs):
+            logits = apply_processors(logits, [row_context(s) for s in seqs])
+        tokens = logits.argmax(dim=-1).tolist()
         rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rand:
-            probs = processed_probs(logits[rand], [seqs[i].params for i in rand])
+            probs = torch.softmax(processed_logits(logits[rand], [seqs[i].params for i in rand]), dim=-1)
             for j, i in enumerate(rand):
-                greedy_tokens[i] = sample_from(probs[j], seqs[i].generator or self.generator)
-        return greedy_tokens
+                tokens[i] = sample_from(probs[j], seqs[i].generator or self.generator)
+        logprobs = [
+            None if s.params.logprobs is None else self._logprobs_of(s, logits[i : i + 1], [tokens[i]])
+            for i, s in enumerate(seqs)
+        ]
+        return tokens, logprobs
 
-    def _emit(self, seq: Sequence, new_tokens: list[int], outputs: list[RequestOutput]) -> None:
-        """Append tokens one by one, honouring stop conditions inside an accepted run."""
+    def _logprobs_of(
+        self, seq: Sequence, drawn: torch.Tensor | None, tokens: list[int]
+    ) -> list[PositionLogprobs] | None:
+        """Log-probability entries of ``tokens``, drawn from the rows of processed logits ``drawn``."""
+        if seq.params.logprobs is None or drawn is None:
+            return None
+        return position_logprobs(logprob_rows(drawn, seq.params), tokens, seq.params.logprobs, self.decode_token)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Rows of the prompt positions ``start ..`` predict the prompt tokens after them: log-softmax of the
+        model's raw logits (no processors apply to the prompt)."""
+        assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+        m = logits.shape[0]
+        targets = seq.token_ids[start + 1 : start + 1 + m]
+        entries = position_logprobs(
+            torch.log_softmax(logits.float(), dim=-1), targets, seq.params.prompt_logprobs, self.decode_token
+        )
+        seq.prompt_logprobs[start + 1 : start + 1 + m] = entries
+
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's text for log-probability entries (special tokens included), cached per id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _emit(
+        self,
+        seq: Sequence,
+        new_tokens: list[int],
+        logprobs: list[PositionLogprobs] | None,
+        touched: dict[str, list[Sequence]],
+    ) -> None:
+        """Append tokens one by one (with their log-probabilities and the grammar advanced), honouring stop
+        conditions inside an accepted run; ``touched`` collects the requests to report this step."""
         now = time.perf_counter()
         m = seq.metrics
         m.num_target_steps += 1
@@ -251,16 +354,25 @@ class LLMEngine:
         p = seq.params
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.decode)
-        for tok in new_tokens:
+        for j, tok in enumerate(new_tokens):
             seq.token_ids.append(tok)
             m.num_output_tokens += 1
             self.stats["num_output_tokens"] += 1
-            if tok in seq.stop_ids:
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[j][tok].logprob
+            if seq.grammar is not None and not seq.grammar.accept(tok):
+                raise RuntimeError(f"token {tok} broke request {seq.group_id!r}'s grammar although it was masked")
+            if m.num_output_tokens < p.min_tokens:
+                pass  # no stop condition before min_tokens (stop tokens are masked until then)
+            elif tok in seq.stop_ids:
                 seq.finish_reason = "stop"
                 seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok
             elif p.stop_list and self._check_stop_strings(seq):
                 pass
-            elif m.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.grammar is not None and seq.grammar.is_terminated():
+                seq.finish_reason = "stop"  # the structured output is complete
+            if not seq.finish_reason and (m.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
@@ -275,7 +387,7 @@ class LLMEngine:
         self.block_manager.commit_full_blocks(seq)
         if seq.finish_reason:
             self._finish(seq)
-        outputs.append(self.make_output(seq))
+        touched[seq.group_id] = seq.group
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
         """After each token: does the text now contain a stop string? Only the tail can hold a new one (the text
@@ -289,7 +401,7 @@ class LLMEngine:
         if not hits:
             return False
         pos, stop = min(hits)
-        seq.output_text = text[:pos]
+        seq.output_text = text[: pos + len(stop)] if seq.params.include_stop_str_in_output else text[:pos]
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
@@ -301,18 +413,49 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.metrics.e2e_s = time.perf_counter() - seq.arrival_time
         self.scheduler.finish(seq)
-        self.requests.pop(seq.request_id, None)
+        if all(s.is_finished for s in seq.group):
+            self.requests.pop(seq.group_id, None)
         if self.speculator:
             self.speculator.release(seq)
         self.stats["num_draft_tokens"] += seq.metrics.num_draft_tokens
         self.stats["num_accepted_tokens"] += seq.metrics.num_accepted_tokens
 
-    def make_output(self, seq: Sequence) -> RequestOutput:
+    def make_output(self, group: list[Sequence]) -> RequestOutput:
+        """The request's state: one completion per sequence of ``group`` (its n samples), by index."""
+        first = group[0]
+        outs = [
+            CompletionOutput(
+                s.index, s.output_text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                None if s.logprobs is None else list(s.logprobs), s.cumulative_logprob,
+            )
+            for s in group
+        ]
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)],
-            finished=seq.status == SequenceStatus.FINISHED,
-            metrics=seq.metrics,
+            request_id=first.group_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outs,
+            finished=all(s.status == SequenceStatus.FINISHED for s in group),
+            metrics=first.metrics if len(group) == 1 else merged_metrics([s.metrics for s in group]),
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
         )
+
+
+def row_context(seq: Sequence) -> RowContext:
+    """What the logits processors need to score ``seq``'s next token."""
+    allowed = seq.grammar.allowed_tokens() if seq.grammar is not None else None
+    return RowContext(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_ids, allowed)
+
+
+def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
+    """One request's metrics over its n sequences: counts add up; time to first token is the earliest, the
+    end-to-end time the latest (None until every sequence finished)."""
+    m = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens)
+    for name in ("num_cached_prompt_tokens", "num_output_tokens", "num_target_steps", "num_draft_tokens",
+                 "num_accepted_tokens", "num_preemptions", "num_lossy_tokens"):
+        setattr(m, name, sum(getattr(p, name) for p in parts))
+    ttfts = [p.ttft_s for p in parts if p.ttft_s is not None]
+    m.ttft_s = min(ttfts) if ttfts else None
+    e2e = [p.e2e_s for p in parts]
+    m.e2e_s = None if any(t is None for t in e2e) else max(e2e)  # type: ignore[type-var]
+    return m

@@ -56,6 +56,9 @@ class ModelRunner:
         # what each capture keeps is filed by KV slot, so it must follow K/V that the engine copies between slots
         # (a tree's accepted nodes compacted into sequential slots): capture fn -> fn(src_slots, dst_slots)
         self.capture_copies: dict[CaptureFn, Callable[[torch.Tensor, torch.Tensor], None]] = {}
+        # CUDA graphs (engine/cuda_graphs.py): runs a full pass from captured static buffers, or returns None for
+        # a step that must run eagerly
+        self.graph_step: Callable[[list[ForwardItem]], list[ForwardResult] | None] | None = None
 
     def prepare(self, items: list[ForwardItem]):
         ids: list[int] = []
@@ -106,6 +109,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[ForwardItem], layers: range | None = None) -> list[ForwardResult]:
+        if self.graph_step is not None and layers is None and not self.captures:
+            replayed = self.graph_step(items)
+            if replayed is not None:
+                self.num_forward_calls += 1
+                self.num_forward_tokens += sum(len(it.tokens) for it in items)
+                return replayed
         input_ids, pos, meta, rows = self.prepare(items)
         kv = self.kv_cache.layers
         if self.captures and layers is None:  # the full pass in segments, handing each cut's hidden state out

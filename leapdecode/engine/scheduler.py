@@ -15,6 +15,10 @@ blocks are freed and it goes back to the waiting queue in arrival order, to be r
 tokens (prompt + what it has generated so far, so nothing is lost; prefix caching often makes the recompute
 cheap).
 No waiting request is admitted in a step that preempted one.
+
+The completions of a request with ``n > 1`` queue one after another; the second waits at the queue head until
+the first has prefilled the prompt, so the others find its blocks in the prefix cache and compute only the
+prompt's last, partial block.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from dataclasses import dataclass, field
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence, SequenceStatus
 from leapdecode.engine.swap import HostKVPool
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """Its prompt is not all in the cache yet (and it is still alive)."""
+    return seq.status != SequenceStatus.FINISHED and seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 @dataclass
@@ -107,10 +116,15 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prefix_leader is not None:
+                if _prefilling(seq.prefix_leader):
+                    break  # FCFS: the next completion of a request waits to share its first one's prompt blocks
+                seq.prefix_leader = None
             if seq.swap_handle is not None:
                 if not self._swap_in(seq):
                     break  # FCFS: the oldest waits for blocks
-            elif not seq.block_table and seq.num_computed_tokens == 0:
+            elif not seq.block_table and seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
+                # (a request scoring its prompt needs every prompt position's logits: no cache hits)
                 cached = self.bm.match_prefix(seq)
                 seq.num_computed_tokens = cached
                 seq.metrics.num_cached_prompt_tokens = max(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from enum import Enum
@@ -9,11 +10,21 @@ from enum import Enum
 import torch
 
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
-from leapdecode.outputs import RequestMetrics
+from leapdecode.outputs import PositionLogprobs, RequestMetrics
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative.state import DraftState
+from leapdecode.structured.base import GrammarMatcher
 
 _arrival = itertools.count()
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request seeded with ``seed``: the seed itself for the first (so
+    ``n=1`` keeps its stream), a hash of (seed, index) for the others, so each draws an independent stream."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class SequenceStatus(Enum):
@@ -28,6 +39,10 @@ class Sequence:
     Invariants: ``token_ids = prompt_token_ids + output_token_ids``; positions ``< num_computed_tokens`` have valid
     K/V in the cache blocks of ``block_table``; ``num_computed_tokens <= len(token_ids)``. A decode step computes the
     last token (plus any draft tokens) and appends what it samples.
+
+    A request with ``n > 1`` runs as n sequences: ``group_id`` is the request's id, ``index`` the completion's
+    number and ``request_id`` unique per sequence (the request's id itself when n is 1). ``prefix_leader`` is the
+    group's first sequence while this one waits for it to prefill the shared prompt into the prefix cache.
     """
 
     def __init__(
@@ -37,8 +52,14 @@ class Sequence:
         params: SamplingParams,
         prompt: str | None = None,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        group_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.group_id = request_id if group_id is None else group_id
+        self.index = index
+        self.prefix_leader: Sequence | None = None
+        self.group: list[Sequence] = [self]  # the request's sequences (shared list), this one included
         self.prompt = prompt
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -61,7 +82,14 @@ class Sequence:
         # seeded requests own their random stream, so their samples do not depend on the batch they ride in
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self.generator = torch.Generator().manual_seed(sample_seed(params.seed, index))
+        # log-probabilities (when asked for): one entry per output token; prompt ones filled by position
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        if params.prompt_logprobs is not None and index == 0:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.grammar: GrammarMatcher | None = None  # structured output: set by the engine
         # speculative-decoding state, owned by leapdecode.speculative
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None

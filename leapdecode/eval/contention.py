@@ -11,6 +11,10 @@ Waits: ``leapdecode`` is leapdecode's default (:mod:`leapdecode.threads`: sleep 
 default (300,000 spin rounds, then sleep), ``short`` a 10,000-round spin, ``passive`` / ``active``
 ``OMP_WAIT_POLICY``'s two settings.
 
+``--systems leapdecode,llama.cpp,hf`` measures llama.cpp (llama-cpp-python, the same GGUF, as many threads as
+CPUs available) and HF transformers (float32, torch's default threads) beside the same neighbours, in the same
+run, so the table says whether leapdecode holds up better than the engines users would run instead.
+
 Run: ``python -m leapdecode.eval.contention`` (bundled model, ~1-2 minutes); ``--waits short,spin,passive
 --threads auto,1`` compares more configurations (``--waits leapdecode`` alone halves the time).
 """
@@ -33,12 +37,14 @@ WAIT_ENV = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
+SYSTEMS = ("leapdecode", "llama.cpp", "hf")
 HOG = "while True: pass"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 @dataclass
 class Measurement:
+    system: str
     wait: str
     threads: str
     hogs: int
@@ -63,11 +69,65 @@ def worker(model: str | None, threads: int | None, tokens: int, repeats: int) ->
     return {"tok_s": statistics.median(speeds), "threads": torch.get_num_threads()}
 
 
-def measure(args: argparse.Namespace, wait: str, threads: str, hogs: int) -> float:
-    """Decode tok/s of a fresh worker with ``wait`` and ``threads`` while ``hogs`` busy processes run."""
+def llamacpp_worker(model: str | None, tokens: int, repeats: int) -> dict[str, float]:
+    """llama.cpp's worker: the same prompt and timing, through llama-cpp-python on the same GGUF file."""
+    from llama_cpp import Llama
+
+    from leapdecode.models.loader import resolve_model
+    from leapdecode.threads import available_cpus
+
+    path = resolve_model(model)
+    if path.is_dir():
+        raise ValueError("llama.cpp needs a .gguf model")
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=available_cpus(), verbose=False)
+    ids = llm.tokenize(PROMPT.encode())
+
+    def decode(n: int) -> int:
+        llm.reset()
+        made = 0
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            made += 1
+            if made >= n:
+                break
+        return made
+
+    decode(8)
+    speeds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        speeds.append(decode(tokens) / (time.perf_counter() - start))
+    return {"tok_s": statistics.median(speeds), "threads": available_cpus()}
+
+
+def hf_worker(model: str | None, tokens: int, repeats: int) -> dict[str, float]:
+    """HF transformers' worker (float32, its own thread count), loading a GGUF as transformers does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leapdecode.models.loader import resolve_model
+
+    path = resolve_model(model)
+    where = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else {
+        "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    tok = AutoTokenizer.from_pretrained(**where)
+    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    x = tok(PROMPT, return_tensors="pt").input_ids
+    speeds = []
+    with torch.inference_mode():
+        hf.generate(x, max_new_tokens=8, do_sample=False)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = hf.generate(x, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            speeds.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - start))
+    return {"tok_s": statistics.median(speeds), "threads": torch.get_num_threads()}
+
+
+def measure(args: argparse.Namespace, system: str, wait: str, threads: str, hogs: int) -> float:
+    """Decode tok/s of a fresh ``system`` worker (leapdecode: with ``wait`` and ``threads``) while ``hogs`` busy
+    processes run."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    env.update(WAIT_ENV[wait])
-    cmd = [sys.executable, "-m", "leapdecode.eval.contention", "--worker", "--tokens", str(args.tokens)]
+    env.update(WAIT_ENV.get(wait, {}))
+    cmd = [sys.executable, "-m", "leapdecode.eval.contention", "--worker", system, "--tokens", str(args.tokens)]
     cmd += ["--repeats", str(args.repeats)] + (["--model", args.model] if args.model else [])
     if threads != "auto":
         cmd += ["--worker-threads", threads]
@@ -79,22 +139,34 @@ def measure(args: argparse.Namespace, wait: str, threads: str, hogs: int) -> flo
             p.kill()
             p.wait()
     if done.returncode != 0:
-        raise RuntimeError(f"the worker failed ({wait}, {threads} threads, {hogs} hogs): {done.stderr[-2000:]}")
+        raise RuntimeError(f"the {system} worker failed ({wait}, {threads} threads, {hogs} hogs): "
+                           f"{done.stderr[-2000:]}")
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
+
+
+def configurations(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(system, wait, threads) to measure: leapdecode's waits x thread counts, the other systems as they come."""
+    systems = args.systems.split(",")
+    for name in systems:
+        if name not in SYSTEMS:
+            raise ValueError(f"--systems takes {', '.join(SYSTEMS)}; got {name!r}")
+    for wait in args.waits.split(","):
+        if wait not in WAIT_ENV:
+            raise ValueError(f"--waits takes {', '.join(WAIT_ENV)}; got {wait!r}")
+    out = [("leapdecode", w, t) for w in args.waits.split(",") for t in args.threads.split(",")
+           if "leapdecode" in systems]  # fmt: skip
+    return out + [(name, "-", "auto") for name in systems if name != "leapdecode"]
 
 
 def run(args: argparse.Namespace) -> list[Measurement]:
     rows: list[Measurement] = []
-    for wait in args.waits.split(","):
-        if wait not in WAIT_ENV:
-            raise ValueError(f"--waits takes {', '.join(WAIT_ENV)}; got {wait!r}")
-        for threads in args.threads.split(","):
-            quiet = None
-            for hogs in (int(h) for h in args.hogs.split(",")):
-                tok_s = measure(args, wait, threads, hogs)
-                quiet = tok_s if quiet is None else quiet  # the first hog count (0 by default) is the baseline
-                rows.append(Measurement(wait, threads, hogs, round(tok_s, 1), round(tok_s / quiet, 3)))
-                print(f"{wait:10s} {threads:>7s} {hogs:5d} {tok_s:9.1f} {tok_s / quiet:8.2f}x", flush=True)
+    for system, wait, threads in configurations(args):
+        quiet = None
+        for hogs in (int(h) for h in args.hogs.split(",")):
+            tok_s = measure(args, system, wait, threads, hogs)
+            quiet = tok_s if quiet is None else quiet  # the first hog count (0 by default) is the baseline
+            rows.append(Measurement(system, wait, threads, hogs, round(tok_s, 1), round(tok_s / quiet, 3)))
+            print(f"{system:10s} {wait:10s} {threads:>7s} {hogs:5d} {tok_s:9.1f} {tok_s / quiet:8.2f}x", flush=True)
     return rows
 
 
@@ -105,20 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is kept")
     p.add_argument("--waits", default="leapdecode,spin", help=f"comma list of {', '.join(WAIT_ENV)} "
                    "(default: leapdecode,spin)")
+    p.add_argument("--systems", default="leapdecode", help=f"comma list of {', '.join(SYSTEMS)} (default: "
+                   "leapdecode; llama.cpp needs llama-cpp-python and a .gguf model)")
     p.add_argument("--threads", default="auto", help="comma list of thread counts or auto (default: auto)")
     p.add_argument("--hogs", default="0,1,2", help="busy neighbour counts; the first is the baseline (default 0,1,2)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per worker run")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-threads", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
+    if args.worker == "leapdecode":
         print(json.dumps(worker(args.model, args.worker_threads, args.tokens, args.repeats)))
+        return 0
+    if args.worker:
+        run_worker = llamacpp_worker if args.worker == "llama.cpp" else hf_worker
+        print(json.dumps(run_worker(args.model, args.tokens, args.repeats)))
         return 0
     from leapdecode.threads import available_cpus
 
     print(f"batch-1 greedy decode, {args.tokens} tokens, {available_cpus()} CPUs available to this process")
-    print(f"{'wait':10s} {'threads':>7s} {'hogs':>5s} {'tok/s':>9s} {'x quiet':>9s}")
+    configurations(args)  # bad --systems / --waits: an error before anything runs
+    print(f"{'system':10s} {'wait':10s} {'threads':>7s} {'hogs':>5s} {'tok/s':>9s} {'x quiet':>9s}")
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,8 +13,6 @@
 //   Q8M   Q5_1 Q5_K      d f32 | m f32 | 32 x uint8 code                                  640  d / m
 //   Q8S   Q6_K Q3_K      d f32 | sc int8 [2] | 32 x int8 code                             608  d * sc[h] / 0
 //   Q4S   Q2_K           d f32 | dmin f32 | sc u8 [2] | mq u8 [2] | 16 pairs of nibbles   448  d * sc[h] / -(dmin * mq[h])
-//   Q8G   any (fused layers whose parts differ in kind)
-//                        s f32 [2] | m f32 [2] | 32 x int8 code                           768  s[h] / m[h]
 //
 // The K-quants' own kinds cover a whole super-block of 256 inputs per record (8 sub-blocks sb of 32), so the
 // super-block's d is stored once, as the file does (4.75 and 6.6 bits per weight instead of 6 and 9.5):
@@ -30,8 +28,7 @@
 #include <cstdint>
 
 enum RecordKind : int {
-  KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q8G = 5, KIND_Q4K = 6, KIND_Q6K = 7,
-  KIND_Q4H = 8
+  KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8M = 2, KIND_Q8S = 3, KIND_Q4S = 4, KIND_Q4K = 5, KIND_Q6K = 6, KIND_Q4H = 7
 };
 
 // an IEEE half's bits -> float, exactly (every half is a float)
@@ -57,7 +54,7 @@ inline float half_bits_to_float(uint16_t h) {
 
 constexpr int64_t record_bytes(int kind) {
   return kind == KIND_Q4 ? 384 : kind == KIND_Q8 ? 576 : kind == KIND_Q8M ? 640 : kind == KIND_Q8S ? 608
-       : kind == KIND_Q4S ? 448 : kind == KIND_Q8G ? 768 : kind == KIND_Q4K ? 2432 : kind == KIND_Q6K ? 3392 : 320;
+       : kind == KIND_Q4S ? 448 : kind == KIND_Q4K ? 2432 : kind == KIND_Q6K ? 3392 : 320;
 }
 
 // inputs one record covers: a block of 32, or a K-quant super-block of 256
@@ -66,7 +63,7 @@ constexpr int64_t kind_span(int kind) { return kind == KIND_Q4K || kind == KIND_
 // the record kind of a packed tensor's last dimension (the sizes are distinct), or -1
 constexpr int kind_of_record(int64_t bytes) {
   return bytes == 384 ? KIND_Q4 : bytes == 576 ? KIND_Q8 : bytes == 640 ? KIND_Q8M : bytes == 608 ? KIND_Q8S
-       : bytes == 448 ? KIND_Q4S : bytes == 768 ? KIND_Q8G : bytes == 2432 ? KIND_Q4K : bytes == 3392 ? KIND_Q6K
+       : bytes == 448 ? KIND_Q4S : bytes == 2432 ? KIND_Q4K : bytes == 3392 ? KIND_Q6K
        : bytes == 320 ? KIND_Q4H : -1;
 }
 
@@ -76,7 +73,7 @@ constexpr bool kind_nibbles(int kind) {
 constexpr bool kind_unsigned(int kind) { return kind == KIND_Q8M; }  // byte codes 0..255 (the others: int8)
 constexpr int64_t kind_codes_offset(int kind) {
   return kind == KIND_Q4 ? 128 : kind == KIND_Q8 ? 64 : kind == KIND_Q8M ? 128 : kind == KIND_Q8S ? 96
-       : kind == KIND_Q4S ? 192 : kind == KIND_Q4K ? 384 : kind == KIND_Q6K ? 320 : kind == KIND_Q4H ? 64 : 256;
+       : kind == KIND_Q4S ? 192 : kind == KIND_Q4K ? 384 : kind == KIND_Q6K ? 320 : 64;
 }
 
 // Row j's scale and minimum for block half h of sub-block sb of one record, as the kernels and gguf compute them.
@@ -88,7 +85,6 @@ inline void record_scale(int kind, const uint8_t* rec, int sb, int h, int j, flo
   };
   switch (kind) {
     case KIND_Q4: case KIND_Q8M: s = f32(0), m = f32(64); break;
-    case KIND_Q8: s = f32(0), m = 0.f; break;
     case KIND_Q4H: {
       uint16_t d, mh;
       __builtin_memcpy(&d, rec + 2 * j, 2);
@@ -100,7 +96,7 @@ inline void record_scale(int kind, const uint8_t* rec, int sb, int h, int j, flo
     case KIND_Q4S: s = f32(0) * float(rec[128 + 16 * h + j]), m = -(f32(64) * float(rec[160 + 16 * h + j])); break;
     case KIND_Q4K: s = f32(0) * float(rec[128 + 16 * sb + j]), m = -(f32(64) * float(rec[256 + 16 * sb + j])); break;
     case KIND_Q6K: s = f32(0) * float(static_cast<int8_t>(rec[64 + 16 * (2 * sb + h) + j])), m = 0.f; break;
-    default: s = f32(64 * h), m = f32(128 + 64 * h);
+    default: s = f32(0), m = 0.f;  // KIND_Q8
   }
 }
 

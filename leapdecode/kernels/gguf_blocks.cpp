@@ -62,7 +62,6 @@ struct Block32 {
   int q[32];
   float d = 0.f, m = 0.f;             // Q4 / Q8 / Q8M: scale and minimum; Q8S / Q4S: the super-block's d (and dmin)
   int sc[2] = {0, 0}, mq[2] = {0, 0};  // Q8S: per-half scales; Q4S: per-half scales and minimum multipliers
-  float es[2] = {0.f, 0.f}, em[2] = {0.f, 0.f};  // per-half scale and minimum as floats (Q8G)
   float dsup = 0.f, dmin = 0.f;  // Q4_K / Q5_K: the super-block's d and dmin (Q4K keeps them beside sc[0], mq[0])
 };
 
@@ -97,7 +96,6 @@ static void decode_legacy(int type, const uint8_t* blk, Block32& o) {
     }
     o.d = d, o.m = m;
   }
-  o.es[0] = o.es[1] = o.d, o.em[0] = o.em[1] = o.m;
 }
 
 // sub-block s (32 inputs) of one K-quant super-block of 256
@@ -114,7 +112,7 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
         if (type == T_Q5_K) q |= ((sb[16 + t] >> s) & 1) << 4;
         o.q[t] = q;
       }
-      o.d = d, o.m = m, o.es[0] = o.es[1] = d, o.em[0] = o.em[1] = m;
+      o.d = d, o.m = m;
       return;
     }
     case T_Q6_K: {
@@ -127,10 +125,7 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
         o.q[t] = (lo | (hi << 4)) - 32;
       }
       o.d = d;
-      for (int h = 0; h < 2; ++h) {
-        o.sc[h] = static_cast<int8_t>(sb[192 + 2 * s + h]);
-        o.es[h] = d * float(o.sc[h]), o.em[h] = 0.f;
-      }
+      for (int h = 0; h < 2; ++h) o.sc[h] = static_cast<int8_t>(sb[192 + 2 * s + h]);
       return;
     }
     case T_Q3_K: {
@@ -147,7 +142,6 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
         const int u = 2 * s + h;
         const int lsc = (scales[u % 8] >> (4 * (u / 8))) & 15, hsc = (scales[8 + u % 4] >> (2 * (u / 4))) & 3;
         o.sc[h] = static_cast<int8_t>(lsc | (hsc << 4)) - 32;
-        o.es[h] = d * float(o.sc[h]), o.em[h] = 0.f;
       }
       return;
     }
@@ -159,10 +153,7 @@ static void decode_k(int type, const uint8_t* sb, int s, Block32& o) {
         o.q[t] = (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
       }
       o.d = d, o.m = dmin;
-      for (int h = 0; h < 2; ++h) {
-        o.sc[h] = scales[2 * s + h] & 15, o.mq[h] = scales[2 * s + h] >> 4;
-        o.es[h] = d * float(o.sc[h]), o.em[h] = -(dmin * float(o.mq[h]));
-      }
+      for (int h = 0; h < 2; ++h) o.sc[h] = scales[2 * s + h] & 15, o.mq[h] = scales[2 * s + h] >> 4;
     }
   }
 }
@@ -205,17 +196,14 @@ static void write_record(int kind, const Block32& o, uint8_t* rec, int j, int sb
       put_f32(rec, 0, j, o.d);
       for (int h = 0; h < 2; ++h) rec[64 + 16 * (2 * sb + h) + j] = uint8_t(static_cast<int8_t>(o.sc[h]));
       break;
-    case KIND_Q4S:
+    default:  // KIND_Q4S
       put_f32(rec, 0, j, o.d), put_f32(rec, 64, j, o.m);
       for (int h = 0; h < 2; ++h) rec[128 + 16 * h + j] = uint8_t(o.sc[h]), rec[160 + 16 * h + j] = uint8_t(o.mq[h]);
-      break;
-    default:
-      for (int h = 0; h < 2; ++h) put_f32(rec, 64 * h, j, o.es[h]), put_f32(rec, 128 + 64 * h, j, o.em[h]);
   }
 }
 
 // raw [N, row bytes] uint8 GGUF blocks of ggml type `type` -> out, records [N/16, K/32, bytes] of `kind` (the
-// type's own kind, or KIND_Q8G, which holds any type); row n of out is row rows[n] of raw (rows empty: n), which
+// type's own kind); row n of out is row rows[n] of raw (rows empty: n), which
 // undoes a row permutation (llama.cpp's Q/K order) without a copy of the raw blocks
 void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Tensor out) {
   const int64_t bb = type_block_bytes(int(type)), per_block = is_k_quant(int(type)) ? 256 : 32;
@@ -225,7 +213,7 @@ void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Ten
   TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kUInt8 && out.is_contiguous(),
               "repack_gguf: out must be a contiguous [N/16, K/32, bytes] uint8 tensor");
   const int kind = kind_of_record(out.size(2));
-  TORCH_CHECK(kind == natural_kind(type) || kind == KIND_Q8G, "repack_gguf: type ", type, " cannot be kind ", kind);
+  TORCH_CHECK(kind == natural_kind(type), "repack_gguf: type ", type, " cannot be kind ", kind);
   const int64_t span = kind_span(kind), subs = span / 32;
   const int64_t N = raw.size(0), nrec = out.size(1), K = nrec * span, nb = K / 32, REC = out.size(2);
   TORCH_CHECK(kind >= 0, "repack_gguf: unknown record size ", out.size(2));

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "block_formats.h"
 #include "few_rows.h"
 #include "ops.h"
 
@@ -30,45 +31,73 @@
 // holds (block_formats.h's Q4K: d, dmin, sc[8], mq[8]) followed by the 8 sub-blocks' code lines in the Q4 form:
 //   Q4K (38 lines): d[16] f32 | dmin[16] f32 | sc[8][16] u8 | mq[8][16] u8 | 8 x 4 lines as Q4
 // whose block scale d * sc and minimum -(dmin * mq) are computed as gguf computes them, so a Q4_K layer gives
-// bitwise the result of its Q4 records.
-constexpr int64_t A8_Q4_LINES = 6, A8_Q8_LINES = 9, A8_Q4K_LINES = 38;
-enum A8Kind : int { A8_Q4 = 0, A8_Q8 = 1, A8_Q4K = 2 };
+// bitwise the result of its Q4 records. Two more keep a file's own form instead of a wider one:
+//   Q4H (5 lines; Q4_0 / Q4_1): d[16] f16 | m[16] f16 (the file's fp16 scale and minimum) | 4 code lines as Q4
+//   Q6K (53 lines; Q6_K's super-block of 256): d[16] f32 | sc[16][16] int8 (one scale per 16 inputs, as the
+//     file) | per sub-block of 32: 4 lines of the codes' low nibbles as Q4 | 2 lines of their top 2 bits, line h
+//     holding inputs 16h .. 16h + 15: bits 2s, 2s + 1 of byte (j, t) = top(j, k0 + 16h + 4s + t)
+// A Q6K code u = q + 32 is 0..63; each half-block's integer sum is  sum(u * qx) - 32 * sum(qx)  times its int8
+// scale, both halves added as integers, so one float step per block remains: y += (d * dx) * that sum.
+constexpr int64_t A8_Q4_LINES = 6, A8_Q8_LINES = 9, A8_Q4K_LINES = 38, A8_Q6K_LINES = 53, A8_Q4H_LINES = 5;
+enum A8Kind : int { A8_Q4 = 0, A8_Q8 = 1, A8_Q4K = 2, A8_Q6K = 3, A8_Q4H = 4 };
+constexpr bool a8_super(int A) { return A == A8_Q4K || A == A8_Q6K; }  // records of a 256-input super-block
+constexpr int64_t a8_lines(int A) {
+  return A == A8_Q4 ? A8_Q4_LINES : A == A8_Q8 ? A8_Q8_LINES : A == A8_Q4K ? A8_Q4K_LINES
+       : A == A8_Q6K ? A8_Q6K_LINES : A8_Q4H_LINES;
+}
 
 // Block b (32 inputs) of one panel's int8-activation records: where its code lines start, and the record (and
 // sub-block) whose scales it takes
 template <int A>
 struct A8Block {
-  static constexpr bool Q4 = A != A8_Q8;
+  static constexpr bool Q4 = A == A8_Q4 || A == A8_Q4K || A == A8_Q4H;  // nibble codes and a minimum
   const uint8_t* rec;
   int sb;
   A8Block(const uint8_t* base, int64_t b)
-      : rec(base + (A == A8_Q4K ? (b / 8) * A8_Q4K_LINES : b * (Q4 ? A8_Q4_LINES : A8_Q8_LINES)) * 64),
-        sb(A == A8_Q4K ? int(b % 8) : 0) {}
-  const uint8_t* codes() const { return rec + (A == A8_Q4K ? 384 + 256 * sb : Q4 ? 128 : 64); }
-  int64_t code_bytes() const { return Q4 ? 256 : 512; }
-  // row j's scale and minimum (scalar form; the vector kernels compute the same products lane by lane)
+      : rec(base + (a8_super(A) ? b / 8 : b) * a8_lines(A) * 64), sb(a8_super(A) ? int(b % 8) : 0) {}
+  const uint8_t* codes() const {
+    return rec + (A == A8_Q4K ? 384 + 256 * sb : A == A8_Q6K ? 320 + 384 * sb : A == A8_Q4 ? 128 : 64);
+  }
+  int64_t code_bytes() const { return A == A8_Q8 ? 512 : A == A8_Q6K ? 384 : 256; }
+  // row j's scale and minimum (scalar form; the vector kernels compute the same products lane by lane); Q6K:
+  // the super-block's d, whose int8 sub-block scales multiply the integer sums instead
   float scale(int j) const {
-    float d;
-    __builtin_memcpy(&d, rec + 4 * j, 4);
+    if constexpr (A == A8_Q4H) return half_bits_to_float(field<uint16_t>(2 * j));
+    const float d = field<float>(4 * j);
     return A == A8_Q4K ? d * float(rec[128 + 16 * sb + j]) : d;
   }
   float minimum(int j) const {
-    float m;
-    __builtin_memcpy(&m, rec + 64 + 4 * j, 4);
+    if constexpr (A == A8_Q4H) return half_bits_to_float(field<uint16_t>(32 + 2 * j));
+    const float m = field<float>(64 + 4 * j);
     return A == A8_Q4K ? -(m * float(rec[256 + 16 * sb + j])) : m;
   }
+  int sub_scale(int j, int h) const { return static_cast<int8_t>(rec[64 + 16 * (2 * sb + h) + j]); }  // Q6K
+  template <typename T>
+  T field(int64_t off) const {
+    T v;
+    __builtin_memcpy(&v, rec + off, sizeof(T));
+    return v;
+  }
 };
+
+// Q6K code u = q + 32 (0..63) of row j, input t of a sub-block's code lines
+inline int a8_q6k_code(const uint8_t* codes, int j, int t) {
+  const uint8_t pair = codes[64 * (t / 8) + 4 * j + t % 4];
+  const int low = (t % 8) < 4 ? (pair & 15) : (pair >> 4);
+  return low | (((codes[256 + 64 * (t / 16) + 4 * j + t % 4] >> (2 * ((t % 16) / 4))) & 3) << 4);
+}
 
 struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
   std::vector<int8_t> q;
   std::vector<float> d, s;      // dx and dx * sum(qx) per (row, block)
   std::vector<int32_t> sum;     // sum(qx) per (row, block)
+  std::vector<int32_t> half;    // sum(qx) per (row, block, half of 16 inputs)
 };
 
 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / 32;
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-                  std::vector<int32_t>(M * nb)};
+                  std::vector<int32_t>(M * nb), std::vector<int32_t>(2 * M * nb)};
   for (int64_t b = 0; b < M * nb; ++b) {
     const float* v = x + b * 32;
 #if defined(__AVX512F__)
@@ -80,7 +109,8 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
-    const int32_t acc = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    r.half[2 * b] = _mm512_reduce_add_epi32(q0), r.half[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+    const int32_t acc = r.half[2 * b] + r.half[2 * b + 1];
     r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
 #else
     float amax = 0.f;
@@ -90,6 +120,7 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
     for (int i = 0; i < 32; ++i) {
       const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
       r.q[b * 32 + i] = static_cast<int8_t>(qi);
+      r.half[2 * b + i / 16] += qi;
       acc += qi;
     }
     r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
@@ -102,6 +133,7 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 // the 16 rows' scale and minimum of one block, as A8Block's scalar forms compute them
 template <int A>
 static inline __m512 a8_scale(const A8Block<A>& blk) {
+  if constexpr (A == A8_Q4H) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.rec)));
   const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
   if constexpr (A != A8_Q4K) return d;
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -109,6 +141,8 @@ static inline __m512 a8_scale(const A8Block<A>& blk) {
 }
 template <int A>
 static inline __m512 a8_minimum(const A8Block<A>& blk) {
+  if constexpr (A == A8_Q4H)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.rec + 32)));
   const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec + 64));
   if constexpr (A != A8_Q4K) return m;
   const __m512 mq = _mm512_cvtepi32_ps(
@@ -119,7 +153,7 @@ static inline __m512 a8_minimum(const A8Block<A>& blk) {
 template <int R, int A>
 static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr bool Q4 = A != A8_Q8;
+  constexpr bool Q4 = A8Block<A>::Q4;
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -167,8 +201,60 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
+// Q6K (see the layout above): the top 2 bits of 4 input groups share a line; each is moved to bits 4-5 of its
+// byte and joined to its low nibble, giving u = q + 32; two integer chains per row, one per half of 16 inputs
+template <int R>
+static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                float* __restrict y, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
+    const uint8_t* codes = blk.codes();
+    const int8_t* xb = xq + b * 32;
+    __m512i ih[2][R];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
+      const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
+                              _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
+                              _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
+      for (int r = 0; r < R; ++r) ih[h][r] = _mm512_setzero_si512();
+      for (int gg = 0; gg < 2; ++gg) {
+        const int g = 2 * h + gg;
+        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
+        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]);
+        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]);
+        for (int r = 0; r < R; ++r) {
+          int32_t w0, w1;
+          __builtin_memcpy(&w0, xb + r * K + 8 * g, 4);
+          __builtin_memcpy(&w1, xb + r * K + 8 * g + 4, 4);
+          ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u0, _mm512_set1_epi32(w0));
+          ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u1, _mm512_set1_epi32(w1));
+        }
+      }
+    }
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
+    const __m512i sc1 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const __m512i c0 = _mm512_sub_epi32(ih[0][r], _mm512_set1_epi32(32 * xr.half[2 * i]));
+      const __m512i c1 = _mm512_sub_epi32(ih[1][r], _mm512_set1_epi32(32 * xr.half[2 * i + 1]));
+      const __m512i tot = _mm512_add_epi32(_mm512_mullo_epi32(c0, sc0), _mm512_mullo_epi32(c1, sc1));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
 constexpr const char* A8_ISA = "avx512-vnni";
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__F16C__)
 // AVX2 (no VNNI: AMD Zen 1-3, most client x86): vpmaddubsw + vpmaddwd make the same 4-product integer sums per
 // 32-bit lane as vpdpbusd, over 8 outputs per 256-bit half of a line. vpmaddubsw saturates pairs at int16, which
 // Q4 codes (<= 15 x 127 x 2) never reach but Q8's offset codes (<= 255 x 127 x 2) would: Q8 multiplies |q| by
@@ -177,6 +263,8 @@ constexpr const char* A8_ISA = "avx512-vnni";
 // 8 rows' (half h of a block's 16) scale and minimum, as A8Block's scalar forms compute them
 template <int A>
 static inline __m256 a8_scale8(const A8Block<A>& blk, int h) {
+  if constexpr (A == A8_Q4H)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 16 * h)));
   const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec) + 8 * h);
   if constexpr (A != A8_Q4K) return d;
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -184,6 +272,8 @@ static inline __m256 a8_scale8(const A8Block<A>& blk, int h) {
 }
 template <int A>
 static inline __m256 a8_minimum8(const A8Block<A>& blk, int h) {
+  if constexpr (A == A8_Q4H)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 32 + 16 * h)));
   const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec + 64) + 8 * h);
   if constexpr (A != A8_Q4K) return m;
   const __m256 mq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -194,7 +284,7 @@ static inline __m256 a8_minimum8(const A8Block<A>& blk, int h) {
 template <int R, int A>
 static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr bool Q4 = A != A8_Q8;
+  constexpr bool Q4 = A8Block<A>::Q4;
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(-128);
@@ -259,12 +349,77 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
     _mm256_storeu_ps(y + r * N + 8, acc[r][1]);
   }
 }
+template <int R>
+static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                float* __restrict y, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  alignas(32) uint8_t wu[8][2][32];  // u = q + 32 of input group v (inputs 4v .. 4v+3) per half line
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
+    const uint8_t* codes = blk.codes();
+    for (int hh = 0; hh < 2; ++hh)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 64 * h + 32 * hh));
+        const __m256i top[4] = {_mm256_and_si256(_mm256_slli_epi16(H, 4), top2),
+                                _mm256_and_si256(_mm256_slli_epi16(H, 2), top2), _mm256_and_si256(H, top2),
+                                _mm256_and_si256(_mm256_srli_epi16(H, 2), top2)};
+        for (int gg = 0; gg < 2; ++gg) {
+          const int g = 2 * h + gg;
+          const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * g + 32 * hh));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g][hh]),
+                             _mm256_or_si256(_mm256_and_si256(L, low4), top[2 * gg]));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(wu[2 * g + 1][hh]),
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), low4), top[2 * gg + 1]));
+        }
+      }
+    __m256i sc[2][2];
+    for (int h = 0; h < 2; ++h)
+      for (int hh = 0; hh < 2; ++hh)
+        sc[h][hh] = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.rec + 64 + 16 * (2 * blk.sb + h) + 8 * hh)));
+    const __m256 d[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec)),
+                         _mm256_loadu_ps(reinterpret_cast<const float*>(blk.rec) + 8)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + b * 32;
+      __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                         {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+      for (int v = 0; v < 8; ++v) {
+        int32_t word;
+        __builtin_memcpy(&word, xb + 4 * v, 4);
+        const __m256i xv = _mm256_set1_epi32(word);
+        for (int hh = 0; hh < 2; ++hh) {  // u <= 63: the pairs vpmaddubsw adds stay far below int16's limit
+          const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v][hh]));
+          s[v / 4][hh] = _mm256_add_epi32(s[v / 4][hh], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+        }
+      }
+      const int64_t i = (r0 + r) * nb + b;
+      const __m256i off0 = _mm256_set1_epi32(32 * xr.half[2 * i]), off1 = _mm256_set1_epi32(32 * xr.half[2 * i + 1]);
+      const __m256 xd = _mm256_set1_ps(xr.d[i]);
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m256i tot = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(s[0][hh], off0), sc[0][hh]),
+                                             _mm256_mullo_epi32(_mm256_sub_epi32(s[1][hh], off1), sc[1][hh]));
+        acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d[hh], xd), acc[r][hh]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * N, acc[r][0]);
+    _mm256_storeu_ps(y + r * N + 8, acc[r][1]);
+  }
+}
 constexpr const char* A8_ISA = "avx2";
 #else  // portable reference: the same integer sums and float steps, one lane at a time (slow, but exact)
 template <int R, int A>
 static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                   float* __restrict y, int64_t K, int64_t N) {
-  constexpr bool Q4 = A != A8_Q8;
+  constexpr bool Q4 = A8Block<A>::Q4;
   const int64_t nb = K / 32;
   for (int r = 0; r < R; ++r) {
     const int8_t* xq = xr.q.data() + (r0 + r) * K;
@@ -293,26 +448,52 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
     __builtin_memcpy(y + r * N, acc, 64);
   }
 }
+template <int R>
+static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                float* __restrict y, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = xr.q.data() + (r0 + r) * K;
+    float acc[16] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const A8Block<A8_Q6K> blk(base, b);
+      const int64_t i = (r0 + r) * nb + b;
+      for (int j = 0; j < 16; ++j) {
+        int32_t tot = 0;
+        for (int h = 0; h < 2; ++h) {
+          int32_t isum = -32 * xr.half[2 * i + h];
+          for (int t = 16 * h; t < 16 * h + 16; ++t) isum += a8_q6k_code(blk.codes(), j, t) * xq[b * 32 + t];
+          tot += isum * blk.sub_scale(j, h);
+        }
+        acc[j] = std::fma(static_cast<float>(tot), blk.scale(j) * xr.d[i], acc[j]);
+      }
+    }
+    __builtin_memcpy(y + r * N, acc, 64);
+  }
+}
 constexpr const char* A8_ISA = "portable";
 #endif
 
 template <int A>
 static void rows_x_a8panel_any(int64_t rows, const QuantizedRows& xr, int64_t r0, const uint8_t* rec, float* y,
                                int64_t K, int64_t N) {
-  with_rows(rows, [&](auto R) { rows_x_a8panel<R.value, A>(xr, r0, rec, y, K, N); });
+  with_rows(rows, [&](auto R) {
+    if constexpr (A == A8_Q6K) rows_x_a8q6k<R.value>(xr, r0, rec, y, K, N);
+    else rows_x_a8panel<R.value, A>(xr, r0, rec, y, K, N);
+  });
 }
 
 torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "a8_linear: x must be a contiguous [M, K] float32 tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(3) == 64 && packed.scalar_type() == torch::kUInt8 &&
-                  packed.is_contiguous() && (packed.size(2) == A8_Q4_LINES || packed.size(2) == A8_Q8_LINES ||
-                                             packed.size(2) == A8_Q4K_LINES),
-              "a8_linear: packed weight must be a contiguous [N/16, K/32, 6 or 9, 64] or [N/16, K/256, 38, 64] "
-              "uint8 tensor");
+  const int64_t lines = packed.dim() == 4 ? packed.size(2) : 0;
+  const int kind = lines == A8_Q4_LINES ? A8_Q4 : lines == A8_Q8_LINES ? A8_Q8 : lines == A8_Q4K_LINES ? A8_Q4K
+                 : lines == A8_Q6K_LINES ? A8_Q6K : lines == A8_Q4H_LINES ? A8_Q4H : -1;
+  TORCH_CHECK(kind >= 0 && packed.size(3) == 64 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "a8_linear: packed weight must be a contiguous uint8 [N/16, K/32, 5, 6 or 9, 64] or "
+              "[N/16, K/256, 38 or 53, 64] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  const int kind = packed.size(2) == A8_Q4_LINES ? A8_Q4 : packed.size(2) == A8_Q8_LINES ? A8_Q8 : A8_Q4K;
-  TORCH_CHECK(packed.size(1) * (kind == A8_Q4K ? 256 : 32) == K, "a8_linear: K mismatch");
+  TORCH_CHECK(packed.size(1) * (a8_super(kind) ? 256 : 32) == K, "a8_linear: K mismatch");
   // any number of rows: at this precision a prompt's rows must be computed exactly as a decoded token's would
   // be, or a prefix-cache hit (which prefills fewer rows) would change the result; each panel stays in L1/L2
   // while its chunks of 8 rows pass over it
@@ -327,9 +508,14 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed) {
       for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - r0);
         const uint8_t* panel = wp + p * panel_bytes;
-        if (kind == A8_Q4) rows_x_a8panel_any<A8_Q4>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
-        else if (kind == A8_Q8) rows_x_a8panel_any<A8_Q8>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
-        else rows_x_a8panel_any<A8_Q4K>(rows, xr, r0, panel, yp + r0 * N + p * 16, K, N);
+        float* out = yp + r0 * N + p * 16;
+        switch (kind) {
+          case A8_Q4: rows_x_a8panel_any<A8_Q4>(rows, xr, r0, panel, out, K, N); break;
+          case A8_Q8: rows_x_a8panel_any<A8_Q8>(rows, xr, r0, panel, out, K, N); break;
+          case A8_Q4K: rows_x_a8panel_any<A8_Q4K>(rows, xr, r0, panel, out, K, N); break;
+          case A8_Q6K: rows_x_a8panel_any<A8_Q6K>(rows, xr, r0, panel, out, K, N); break;
+          default: rows_x_a8panel_any<A8_Q4H>(rows, xr, r0, panel, out, K, N);
+        }
       }
   });
   return y;

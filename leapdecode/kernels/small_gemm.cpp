@@ -116,8 +116,6 @@ struct BlockPanel {
         s[h] = _mm256_mul_ps(f32(0), u8f(rec + 128 + 16 * h));
         m[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f32(64), u8f(rec + 160 + 16 * h)));
       }
-    } else if constexpr (KIND == KIND_Q8G) {
-      for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
     } else if constexpr (KIND == KIND_Q4K) {
       s[0] = s[1] = _mm256_mul_ps(f32(0), u8f(rec + 128 + 16 * sb));
       m[0] = m[1] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f32(64), u8f(rec + 256 + 16 * sb)));
@@ -282,8 +280,6 @@ static inline void record_header(const uint8_t* rec, int sb, v16f* s, v16f* m) {
   } else if constexpr (KIND == KIND_Q4S) {
     for (int h = 0; h < 2; ++h)
       s[h] = f32(0) * uint8s_to_floats(rec + 128 + 16 * h), m[h] = -(f32(64) * uint8s_to_floats(rec + 160 + 16 * h));
-  } else if constexpr (KIND == KIND_Q8G) {
-    for (int h = 0; h < 2; ++h) s[h] = f32(64 * h), m[h] = f32(128 + 64 * h);
   } else if constexpr (KIND == KIND_Q4K) {
     s[0] = s[1] = f32(0) * uint8s_to_floats(rec + 128 + 16 * sb);
     m[0] = m[1] = -(f32(64) * uint8s_to_floats(rec + 256 + 16 * sb));
@@ -418,10 +414,38 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
 }
 
 
-// y = x @ W^T through whichever packed format W has (float32 panels, int8-activation records, or the records of
-// block_formats.h, told apart by their size)
+// A weight fused from parts of different record kinds (Q4_K_M's QKV where V is Q6_K and Q, K are Q4_K) keeps
+// each part's own records: segments one after another in one 1-D byte tensor (uint8 for float-activation records,
+// int8 for int8-activation ones), after a header of int64 fields: SEGMENTS_MAGIC, the segment count, then per
+// segment its dimension count, 4 sizes and its byte offset (layers/small_gemm.py join_segments writes it). Each
+// segment's outputs are computed by its own kernel, as they would be alone, and placed side by side.
+constexpr int64_t SEGMENTS_MAGIC = 0x53544e454d474553;  // "SEGMENTS"
+
+static torch::Tensor segments_linear(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() >= 16, "packed_linear: not a segmented weight");
+  const auto* base = static_cast<const uint8_t*>(packed.data_ptr());
+  const auto* h = reinterpret_cast<const int64_t*>(base);
+  TORCH_CHECK(h[0] == SEGMENTS_MAGIC && h[1] >= 1 && 8 * (2 + 6 * h[1]) <= packed.numel(),
+              "packed_linear: not a segmented weight");
+  std::vector<torch::Tensor> ys;
+  for (int64_t i = 0; i < h[1]; ++i) {
+    const int64_t* f = h + 2 + 6 * i;
+    TORCH_CHECK(f[0] >= 1 && f[0] <= 4, "packed_linear: bad segment header");
+    const std::vector<int64_t> sizes(f + 1, f + 1 + f[0]);
+    int64_t bytes = 1;
+    for (int64_t d : sizes) bytes *= d;
+    TORCH_CHECK(f[5] >= 0 && f[5] + bytes <= packed.numel(), "packed_linear: segment ", i, " out of bounds");
+    ys.push_back(packed_linear(x, torch::from_blob(const_cast<uint8_t*>(base + f[5]), sizes,
+                                                   packed.options().dtype(torch::kUInt8))));
+  }
+  return ys.size() == 1 ? ys[0] : torch::cat(ys, 1);
+}
+
+// y = x @ W^T through whichever packed format W has (float32 panels, int8-activation records, the records of
+// block_formats.h, told apart by their size, or segments of these)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
   if (packed.scalar_type() == torch::kFloat32) return small_linear(x, packed);
+  if (packed.dim() == 1) return segments_linear(x, packed);
   if (packed.dim() == 4) return a8_linear(x, packed);
   switch (kind_of_record(packed.size(2))) {
     case KIND_Q4: return quant_linear<KIND_Q4>(x, packed);
@@ -429,7 +453,6 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
     case KIND_Q8M: return quant_linear<KIND_Q8M>(x, packed);
     case KIND_Q8S: return quant_linear<KIND_Q8S>(x, packed);
     case KIND_Q4S: return quant_linear<KIND_Q4S>(x, packed);
-    case KIND_Q8G: return quant_linear<KIND_Q8G>(x, packed);
     case KIND_Q4K: return quant_linear<KIND_Q4K>(x, packed);
     case KIND_Q6K: return quant_linear<KIND_Q6K>(x, packed);
     case KIND_Q4H: return quant_linear<KIND_Q4H>(x, packed);

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from leapdecode.layers import small_gemm, split_kv
+from leapdecode.layers import small_gemm, split_kv, triton_attention
 from leapdecode.layers.kv_quant import KVPlane, QuantizedKV, read_kv_range, read_kv_slots, write_kv
 
 # New-token count up to which sequences are batched into one padded attention call.
@@ -116,6 +116,7 @@ class AttentionMetadata:
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # the same step as seen by layers with a sliding window, by window size (built with the step)
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+    _triton: triton_attention.RowBatch | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The step as a layer with this sliding window (None: global attention) sees it."""
@@ -124,6 +125,17 @@ class AttentionMetadata:
         if window not in self.windowed:
             raise ValueError(f"the step was planned without sliding window {window} (has {sorted(self.windowed)})")
         return self.windowed[window]
+
+    def triton_rows(self, device: torch.device) -> triton_attention.RowBatch | None:
+        """The few-row groups' sequences (split or not) packed for one Triton launch (layers/triton_attention.py);
+        built on first use in a step, then reused by every layer. None for a sliding-window plan: the Triton kernel
+        reads every position, so those layers take the windowed torch path."""
+        if self._triton is None:
+            seqs = [s for g in self.groups if g.seqs is not None for s in g.seqs]
+            if not seqs or any(s.window is not None for s in seqs):
+                return None
+            self._triton = triton_attention.RowBatch.from_seqs(seqs, device)
+        return self._triton
 
     def all_kernel_rows(self) -> bool:
         """Every row of the step is a few-token row the C++ rows kernel attends (no prefill chunk, no split)."""
@@ -307,7 +319,9 @@ def _paged_attention(
     if use_kernel and (float_rows or int8_rows):
         # few-row groups (decode, drafts, trees) in one C++ call, each row alone: bit-identical across batchings
         kernel_rows = meta.kernel_rows()
-    if kernel_rows is None and q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and groups[0].split is None:
+    triton_rows = meta.triton_rows(q.device) if kernel_rows is None and triton_attention.applies(q, k_cache) else None
+    one_token = q.shape[0] == 1 and isinstance(k_cache, torch.Tensor) and groups[0].split is None
+    if kernel_rows is None and triton_rows is None and one_token:
         return _decode_one(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
@@ -318,6 +332,10 @@ def _paged_attention(
         else:
             small_gemm.attention_rows(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
         groups = [g for g in groups if g.seqs is None or g.split is not None]
+    elif triton_rows is not None:  # few-row groups in one launch over the block tables (split-KV inside)
+        out = torch.empty_like(q)
+        triton_attention.paged_decode_attention(q, k_cache, v_cache, triton_rows, scale, out)
+        groups = [g for g in groups if g.seqs is None]
     elif len(groups) == 1 and groups[0].q_start == 0 and groups[0].q_len == q.shape[0]:
         out = None  # the single group covers the whole batch: write straight into its result
     else:

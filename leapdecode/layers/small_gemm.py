@@ -42,9 +42,11 @@ import torch.nn.functional as F
 from leapdecode.kernels.build import load_extension
 
 # record bytes per 16 rows x 32 inputs -> kind (kernels/block_formats.h; layers/block_formats.py describes them)
-RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 768: "q8g", 2432: "q4k", 3392: "q6k",
-                320: "q4h"}
-A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES = 6, 9, 38  # 64-byte lines per record of the int8-activation layout
+RECORD_KINDS = {384: "q4", 576: "q8", 640: "q8m", 608: "q8s", 448: "q4s", 2432: "q4k", 3392: "q6k", 320: "q4h"}
+# 64-byte lines per record of the int8-activation layout (kernels/int8_gemm.cpp), and the kind each one holds
+A8_Q4_LINES, A8_Q8_LINES, A8_Q4K_LINES, A8_Q6K_LINES, A8_Q4H_LINES = 6, 9, 38, 53, 5
+A8_KIND_OF_LINES = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k", A8_Q6K_LINES: "q6k", A8_Q4H_LINES: "q4h"}
+SEGMENTS_MAGIC = 0x53544E454D474553  # "SEGMENTS": a weight of parts in different formats (kernels/small_gemm.cpp)
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = [KERNELS / name for name in ("small_gemm.cpp", "int8_gemm.cpp", "gguf_blocks.cpp", "layer_ops.cpp",
@@ -168,10 +170,61 @@ class BlockQuantized:
         return rec.reshape(n // 16, nb, -1, 64).contiguous()
 
 
+def segment_buffer(shapes: list[tuple[int, ...]], int8_activations: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One packed weight made of segments of the given uint8 record shapes (the parts of a fused weight whose
+    formats differ), and a view of each segment to fill: the header the kernel reads, then the segments, each at a
+    64-byte boundary. The buffer's dtype tells the activations: int8 for int8-activation records, else uint8."""
+    header, offsets, total = _segment_layout(shapes)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    buf[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    views = [buf[off: off + torch.Size(shape).numel()].view(shape) for off, shape in zip(offsets, shapes)]
+    return (buf.view(torch.int8) if int8_activations else buf), views
+
+
+def _segment_layout(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int], int]:
+    """The header (int64 fields), each segment's byte offset and the total bytes of a segmented weight."""
+    start = -(-8 * (2 + 6 * len(shapes)) // 64) * 64
+    header, offsets = [SEGMENTS_MAGIC, len(shapes)], []
+    for shape in shapes:
+        offsets.append(start)
+        header += [len(shape), *shape, *[1] * (4 - len(shape)), start]
+        start += -(-int(torch.Size(shape).numel()) // 64) * 64
+    return header, offsets, start
+
+
+def segment_bytes(shapes: list[tuple[int, ...]]) -> int:
+    """Bytes of a segmented weight of uint8 segments of these shapes (header and alignment included)."""
+    return _segment_layout(shapes)[2]
+
+
+def join_segments(parts: list[torch.Tensor], int8_activations: bool) -> torch.Tensor:
+    """:func:`segment_buffer` filled with ``parts`` (uint8 records)."""
+    buf, views = segment_buffer([tuple(p.shape) for p in parts], int8_activations)
+    for view, part in zip(views, parts):
+        view.copy_(part)
+    return buf
+
+
+def segments_of(packed: torch.Tensor) -> list[torch.Tensor]:
+    """The segments of a packed weight made by :func:`segment_buffer` (views)."""
+    raw = packed.view(torch.uint8)
+    header = raw[:16].view(torch.int64)
+    if raw.dim() != 1 or int(header[0]) != SEGMENTS_MAGIC:
+        raise ValueError("not a segmented packed weight")
+    fields = raw[: 8 * (2 + 6 * int(header[1]))].view(torch.int64)[2:].reshape(-1, 6).tolist()
+    return [raw[f[5]: f[5] + torch.Size(f[1: 1 + f[0]]).numel()].view(f[1: 1 + f[0]]) for f in fields]
+
+
+def int8_activation_layout(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` is for the int8-activation kernel: 4-D records, or segments of them (an int8 buffer)."""
+    return packed.dim() == 4 or (packed.dim() == 1 and packed.dtype == torch.int8)
+
+
 def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether ``x @ W^T`` goes through the packed kernel (inference only: the kernel has no backward): few rows,
-    or any rows for int8-activation records (4-D), whose precision must not depend on the batch."""
-    return (packed is not None and x.dim() == 2 and 0 < x.shape[0] and (x.shape[0] <= MAX_ROWS or packed.dim() == 4)
+    or any rows for int8-activation records, whose precision must not depend on the batch."""
+    return (packed is not None and x.dim() == 2 and 0 < x.shape[0]
+            and (x.shape[0] <= MAX_ROWS or int8_activation_layout(packed))
             and not x.requires_grad and x.dtype == torch.float32)  # (under autocast x may arrive in bfloat16)
 
 
@@ -234,8 +287,8 @@ def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = Tr
             elif int8_activations and not hasattr(mod, "owner"):
                 mod.quant = mod.block_quantized = None  # the int8 records serve every row count
         n += mod.packed is not None
-    if int8_activations and any(isinstance(getattr(m, "packed", None), torch.Tensor) and m.packed.dim() == 4
-                                for m in model.modules()):
+    if int8_activations and any(isinstance(getattr(m, "packed", None), torch.Tensor)
+                                and int8_activation_layout(m.packed) for m in model.modules()):
         model.int8_activations = True  # read by the model runner: prompts attend through the rows kernel too
     for mod in model.modules():  # decoder layers run whole in C++ when every projection is packed
         if hasattr(mod, "use_kernel") and hasattr(mod, "mlp") and hasattr(mod, "self_attn"):
@@ -413,17 +466,21 @@ def decoder_stack(x: torch.Tensor, stack: LayerStack, ropes: list[torch.Tensor],
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:
-    """How many layers of ``model`` use each kernel format: "float32", a record kind ("q4", "q8", "q8m", "q8s",
-    "q4s", "q8g"; layers/block_formats.py), "q4-int8act" or "q8-int8act"."""
+    """How many layers of ``model`` use each kernel format: "float32", a record kind ("q4h", "q4k", "q6k", "q8",
+    ...; layers/block_formats.py), or an int8-activation layout ("q4h-int8act", "q4k-int8act", "q6k-int8act",
+    "q4-int8act", "q8-int8act"), or those of a weight's segments joined by "+" ("q4k+q6k")."""
     counts: dict[str, int] = {}
     for mod in model.modules():
         p = getattr(mod, "packed", None)
         if isinstance(p, torch.Tensor):
-            if p.dtype == torch.float32:
-                kind = "float32"
-            elif p.dim() == 4:  # int8-activation records
-                kind = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k"}[p.shape[2]] + "-int8act"
-            else:
-                kind = RECORD_KINDS[p.shape[2]]
+            kind = "+".join(_format_name(s) for s in segments_of(p)) if p.dim() == 1 else _format_name(p)
             counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def _format_name(p: torch.Tensor) -> str:
+    if p.dtype == torch.float32:
+        return "float32"
+    if p.dim() == 4:  # int8-activation records
+        return A8_KIND_OF_LINES[p.shape[2]] + "-int8act"
+    return RECORD_KINDS[p.shape[2]]

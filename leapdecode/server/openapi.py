@@ -10,14 +10,15 @@ from what the server accepts: client generators and schema-driven fuzzers see Op
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-if TYPE_CHECKING:
-    from fastapi import FastAPI
+from leapdecode.server.protocol import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 JsonMode = Literal["validation", "serialization"]
@@ -85,8 +86,6 @@ def component_schemas(
 
 def install_component_schemas(app: FastAPI, models: Iterable[tuple[type[BaseModel], JsonMode]]) -> None:
     """Make ``app.openapi()`` include the schemas of ``models`` (built once, on first request of the document)."""
-    from fastapi.openapi.utils import get_openapi
-
     wanted = list(models)
     cache: dict[str, Any] = {}
 
@@ -102,3 +101,24 @@ def install_component_schemas(app: FastAPI, models: Iterable[tuple[type[BaseMode
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+
+
+def route(
+    app: FastAPI,
+    method: str,
+    path: str,
+    request_model: type[BaseModel] | None = None,
+    response_model: type[BaseModel] | None = None,
+    errors: Iterable[int] = (),
+    streams: bool = False,
+    text_media_type: str | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator that registers a handler on ``app`` with its bodies declared for ``/openapi.json`` (the handler
+    parses its own body, so FastAPI cannot infer it); every error status answers :class:`ErrorResponse`."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        doc = operation_doc(request_model, response_model, ErrorResponse, errors, streams, text_media_type)
+        app.add_api_route(path, fn, methods=[method], response_model=None, openapi_extra=doc)
+        return fn
+
+    return register

@@ -5,8 +5,8 @@ Request models are *lenient about unknown fields* (ignored: OpenAI clients send 
 turns into a 400 with an OpenAI-style error body. Number fields take JSON numbers only (``"0.5"`` or ``true`` for
 ``temperature`` is a 400; ``0`` and ``1`` are fine; an integer field takes ``4.0`` as 4 but not ``4.5``),
 ``temperature`` is capped at 2 as in OpenAI's API, ``stop`` holds at most 64 strings, and every message except an
-assistant's must have content. Fields the engine cannot honour (``n > 1``, ``logprobs``,
-``echo``, non-zero presence/frequency penalties, ...) are rejected explicitly rather than silently ignored.
+assistant's must have content. Fields the engine cannot honour (``best_of`` other than ``n``, ``suffix``,
+``tool_choice: "auto"``) are rejected explicitly rather than silently ignored.
 
 Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-decoding counters
 (``num_draft_tokens``, ``num_accepted_tokens``, ``mean_accepted_tokens``) next to the standard token counts.
@@ -14,6 +14,7 @@ Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-de
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -23,15 +24,26 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    RootModel,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    field_validator,
     model_validator,
 )
 
-from leapdecode.sampling_params import SamplingParams
+from leapdecode.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
+from leapdecode.server.logprobs import ChatLogprobs, CompletionLogprobs
+from leapdecode.server.tools import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    chosen_tool,
+    response_format_params,
+    structured_outputs_params,
+)
 
 # ------------------------------------------------------------------------------------------------- errors
 
@@ -116,7 +128,7 @@ class _SamplingRequest(BaseModel):
     max_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    n: JsonInt | None = Field(default=None, ge=1)
+    n: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool | None = False  # null (as OpenAI's API allows) means false
     stream_options: StreamOptions | None = None
@@ -130,22 +142,49 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: StrictFloat | None = Field(default=None, ge=0.01, le=100.0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[JsonInt] | None = None
+    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
+    # extensions (vLLM names)
+    min_tokens: JsonInt = Field(default=0, ge=0)
+    include_stop_str_in_output: StrictBool = False
+    structured_outputs: StructuredOutputsRequest | None = None
     # leapdecode extension: ``false`` opts this request out of speculative decoding
     speculative: StrictBool = True
 
     def check_supported(self) -> None:
-        """Raise ``APIError`` for fields that are valid OpenAI but that leapdecode does not implement."""
-        if self.n not in (None, 1):
-            raise APIError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported; use repetition_penalty instead", param=name)
+        """Raise ``APIError`` for field combinations that leapdecode does not serve."""
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise APIError("pass response_format or structured_outputs, not both", param="structured_outputs")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``response_format`` / ``structured_outputs`` (a 400 when malformed)."""
+        try:
+            if self.structured_outputs is not None:
+                return structured_outputs_params(self.structured_outputs)
+            if self.response_format is not None:
+                return response_format_params(self.response_format)
+        except ValueError as e:
+            param = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise APIError(str(e), param=param) from None
+        return None
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (OpenAI's keys are the ids as strings)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise APIError(f"logit_bias keys must be token ids (digits), got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Build the engine's ``SamplingParams``; a ``ValueError`` names the offending field."""
+    def to_sampling_params(self, default_max_tokens: int, **extra: Any) -> SamplingParams:
+        """Build the engine's ``SamplingParams`` (``extra``: what the route adds, e.g. log-probabilities or a tool
+        constraint); a ``ValueError`` names the offending field."""
         temperature = 1.0 if self.temperature is None else float(self.temperature)
         top_p = 1.0 if self.top_p is None else float(self.top_p)
         kw: dict[str, Any] = {
@@ -159,11 +198,16 @@ class _SamplingRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "speculative": self.speculative,
+            "n": self.n or 1,
+            "min_tokens": self.min_tokens,
+            "logit_bias": self.token_bias(),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured(),
         }
-        for name in ("top_k", "min_p", "repetition_penalty"):
+        for name in ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
-        return SamplingParams(**kw)
+        return SamplingParams(**{**kw, **extra})
 
 
 class ContentPart(BaseModel):
@@ -178,6 +222,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool message: which call it answers
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -196,54 +242,105 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+def _args(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the ``[{"role", "content", ...}]`` list the chat template expects (an assistant's tool calls
+    with their arguments parsed, as HF templates expect them; a tool message with its ``tool_call_id``)."""
+    conversation = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        conversation.append(turn)
+    return conversation
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: JsonInt | None = None
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the ``[{"role", "content"}]`` list the chat template expects."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per generated token the engine must keep (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_constraint(self) -> Tool | Literal["required"] | None:
+        """The tool (or any of them, ``"required"``) the output must call; None for text (a 400 for ``"auto"``)."""
+        try:
+            chosen = chosen_tool(self.tools or [], self.tool_choice)
+        except ValueError as e:
+            raise APIError(str(e), param="tool_choice") from None
+        if chosen is not None and self.structured() is not None:
+            raise APIError("a tool call cannot also follow response_format or structured_outputs", param="tool_choice")
+        return chosen
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return as_conversation(self.messages)
+
+
+# one prompt of /v1/completions: a text, or token ids
+PromptInput = StrictStr | Annotated[list[JsonInt], Field(min_length=1)]
+MAX_PROMPTS = 256  # prompts per /v1/completions request (each is one engine request)
 
 
 class CompletionRequest(_SamplingRequest):
-    # a string, a list of token ids, or a one-element batch of either
-    prompt: StrictStr | list[JsonInt] | list[StrictStr] | list[list[JsonInt]]
+    # 0 scores the prompt (with echo): nothing is generated
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
+    # a string, a list of token ids, or a batch of either (OpenAI's four forms)
+    prompt: (
+        StrictStr
+        | Annotated[list[JsonInt], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[Annotated[list[JsonInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     echo: StrictBool = False
-    logprobs: JsonInt | None = None
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: JsonInt | None = None
     suffix: StrictStr | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
-        if self.best_of not in (None, 1):
-            raise APIError("best_of is not supported", param="best_of")
+        if self.best_of not in (None, self.n or 1):
+            raise APIError("best_of is not supported (other than equal to n)", param="best_of")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo", param="max_tokens")
+
+    def prompt_logprobs(self) -> int | None:
+        """Top log-probabilities per prompt token the engine must keep: the prompt's own are reported with echo
+        and logprobs (and computed for max_tokens 0, which the engine runs as prompt scoring)."""
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            return self.logprobs or 0
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -270,13 +367,14 @@ class Usage(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -289,15 +387,20 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -313,7 +416,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -340,3 +443,70 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------------ tokenize, version
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a text (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with a conversation: the tokens the chat template makes of it, ready for the assistant's
+    turn (what ``/v1/chat/completions`` would feed the model)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: StrictBool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        return as_conversation(self.messages)
+
+
+class TokenizeRequest(RootModel[TokenizeChatRequest | TokenizeCompletionRequest]):
+    """Either form of ``POST /tokenize``: ``messages`` (a conversation) or ``prompt`` (a text)."""
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[JsonInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's endpoint): what a client needs to tokenize like the server (evaluation
+    harnesses use it with ``/tokenize`` and ``/detokenize`` instead of loading the tokenizer themselves)."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -296,11 +296,11 @@ def load_heads(folder: str | Path) -> tuple[MedusaHeads, torch.Tensor | None, di
     return heads.requires_grad_(False).eval(), subset, cfg
 
 
-def shipped_heads_for(target: LlamaForCausalLM) -> Path | None:
-    """The shipped Medusa heads when they were trained for this target (same shapes and LM-head fingerprint),
-    else None; ``auto`` only offers Medusa then."""
+def shipped_heads_for(target: LlamaForCausalLM, folder: Path = MEDUSA_DIR) -> Path | None:
+    """The shipped heads in ``folder`` (Medusa's, or blockwise's) when they were trained for this target (same
+    shapes and LM-head fingerprint), else None; ``auto`` only offers them then."""
     try:
-        meta = read_heads_config(MEDUSA_DIR)
+        meta = read_heads_config(folder)
     except (OSError, ValueError):
         return None
     mcfg = target.config
@@ -310,7 +310,7 @@ def shipped_heads_for(target: LlamaForCausalLM) -> Path | None:
     here = lm_head_fingerprint(target.lm_head.get_weight())
     if fp is None or any(abs(a - b) > 1e-2 * max(1.0, abs(b)) for a, b in zip(fp, here)):
         return None
-    return MEDUSA_DIR
+    return folder
 
 
 def check_heads_fit(folder: Path, heads: MedusaHeads, meta: dict[str, Any], target: LlamaForCausalLM,

@@ -33,7 +33,7 @@ from torch import nn
 
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers import small_gemm
-from leapdecode.speculative.proposer import EngineView, Proposer
+from leapdecode.speculative.proposer import EngineView, Proposer, tensor_bytes
 
 PYRAMID: tuple[int, ...] = (1, 2, 2, 3, 3, 3, 4, 4, 4, 4)
 ONE_PER_OFFSET: tuple[int, ...] = (1, 2, 3, 4)
@@ -164,6 +164,11 @@ class HeadsProposer(Proposer):
         # the heads' read-out: the target's own LM head, restricted to the vocabulary subset they were trained on
         self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
         self.lm_packed: torch.Tensor | None = None  # the read-out through the few-row kernel (pack_readout)
+
+    def memory_bytes(self) -> int:
+        """The heads' weights, and the read-out rows when they are a copy (a vocabulary subset, a packed kernel)."""
+        own_weight = self.lm_weight if self.subset is not None else None
+        return tensor_bytes(self.heads, own_weight, self.lm_packed)
 
     def pack_readout(self, view: EngineView) -> None:
         """Read the heads out through the engine's few-row kernel when the target uses it: from the LM head's own

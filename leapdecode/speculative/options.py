@@ -152,15 +152,33 @@ class HybridOptions:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """``auto``: ``methods`` narrows the drafters it chooses among (None: every usable one)."""
+    """``auto``, the strategy router (speculative/router.py). ``methods`` narrows the drafters it chooses among
+    (None: every usable one). The user's constraints: ``lossless`` (False allows lossy block-parallel decoding
+    where blockwise heads fit the model), ``minimal_change`` (only drafters that leave the target untouched:
+    prompt lookup and a separate draft model, no drafter that reads the target's hidden states),
+    ``latency_slo_ms`` (target time per output token: below 10 ms on the lossy branch the router drafts whole
+    blocks without verification rejecting them), ``memory_budget_mb`` (the most memory a drafter may hold of
+    its own: weights, caches), ``switch_domains`` (watch each request for copying vs free writing and re-weigh
+    its drafters when that changes)."""
 
     methods: tuple[ChainMethod, ...] | None = None
+    lossless: bool = True
+    minimal_change: bool = False
+    latency_slo_ms: float | None = None
+    memory_budget_mb: float | None = None
+    switch_domains: bool = True
 
     def __post_init__(self) -> None:
         m = self.methods
         _check(m is None or (isinstance(m, tuple) and len(m) > 0 and set(m) <= set(AUTO_CANDIDATES)),
                f'auto\'s "methods" must be a non-empty list drawn from {list(AUTO_CANDIDATES)}, got '
                f"{list(m) if isinstance(m, tuple) else m!r}")
+        for key in ("lossless", "minimal_change", "switch_domains"):
+            _check(isinstance(getattr(self, key), bool), f"{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("latency_slo_ms", "memory_budget_mb"):
+            v = getattr(self, key)
+            _check(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                   f"{key} must be a positive number (or null: no constraint), got {v!r}")
 
 
 OPTION_GROUPS = {"drafter": DrafterOptions, "eagle_tree": EagleTreeOptions, "medusa": MedusaOptions,

@@ -120,6 +120,11 @@ class Proposer(ABC):
         """Seconds the drafter spends to propose ``num_tokens`` per sequence (0 for lookup methods)."""
         return 0.0
 
+    def memory_bytes(self) -> int:
+        """Memory the drafter holds of its own (weights, caches, buffers), beyond the target's: what ``auto``'s
+        ``memory_budget_mb`` bounds. Default: 0 (prompt lookup holds an index per sequence, no more)."""
+        return 0
+
     def detach(self) -> None:  # noqa: B027
         """The speculator stopped using this drafter (``auto`` found it cannot pay here): stop whatever it does on
         the engine's passes. Default: nothing."""
@@ -138,8 +143,9 @@ class Proposer(ABC):
         self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[list[int], int] | None:
         """A drafter with its own acceptance rule verifies its chain here: ``logits`` [len(drafts) + 1, vocab]
-        are the target's (repetition penalty applied) at the drafts' positions; returns (emitted tokens, drafts
-        accepted). Default ``None``: the engine's lossless verification (greedy match / rejection sampling)."""
+        are the target's (the request's logits processors applied) at the drafts' positions; returns (emitted
+        tokens, drafts accepted). Default ``None``: the engine's lossless verification (greedy match /
+        rejection sampling)."""
         return None
 
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:
@@ -150,4 +156,15 @@ class Proposer(ABC):
         return None
 
 
-__all__ = ["EngineView", "Proposal", "Proposer", "StepCost"]
+def tensor_bytes(*parts: torch.nn.Module | torch.Tensor | None) -> int:
+    """Bytes of the given modules' parameters and buffers and of the given tensors (None skipped)."""
+    total = 0
+    for part in parts:
+        if isinstance(part, torch.nn.Module):
+            total += sum(t.numel() * t.element_size() for t in (*part.parameters(), *part.buffers()))
+        elif part is not None:
+            total += part.numel() * part.element_size()
+    return total
+
+
+__all__ = ["EngineView", "Proposal", "Proposer", "StepCost", "tensor_bytes"]

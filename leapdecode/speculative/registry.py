@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from leapdecode.config import SpeculativeConfig
-from leapdecode.speculative.artifacts import MEDUSA_DIR
+from leapdecode.speculative.artifacts import BLOCKWISE_DIR, MEDUSA_DIR
 from leapdecode.speculative.methods.blockwise import BlockwiseProposer
 from leapdecode.speculative.methods.draft_model import make_draft_model
 from leapdecode.speculative.methods.eagle import EagleProposer
@@ -18,6 +18,7 @@ from leapdecode.speculative.methods.medusa import MedusaProposer
 from leapdecode.speculative.methods.ngram import NgramProposer
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
 from leapdecode.speculative.proposer import EngineView, Proposer
+from leapdecode.speculative.router import lossy_blockwise
 
 # (config, view, under_auto) -> proposer. Under auto, "model" names a draft model, so the trained drafters other
 # than draft_model take their shipped artefacts, and EAGLE drafts a chain (tree_nodes sizes Medusa's tree there)
@@ -30,7 +31,10 @@ FACTORIES: dict[str, Factory] = {
     "eagle": lambda cfg, view, auto: EagleProposer.from_config(
         cfg, view, "eagle", shipped_only=auto, tree=None if auto else cfg.eagle_tree),
     "medusa": lambda cfg, view, auto: MedusaProposer.from_config(cfg, view, str(MEDUSA_DIR) if auto else None),
-    "blockwise": lambda cfg, view, auto: BlockwiseProposer.from_config(cfg, view),
+    # under auto only on the lossy branch: the shipped heads, with the router's lossy settings
+    "blockwise": lambda cfg, view, auto: BlockwiseProposer.from_config(
+        cfg, view, str(BLOCKWISE_DIR), lambda n: lossy_blockwise(cfg.auto, n)) if auto else
+    BlockwiseProposer.from_config(cfg, view),
     "hybrid": lambda cfg, view, auto: HybridProposer.from_config(cfg, view),
 }
 

@@ -21,6 +21,37 @@ class GammaState:
     high_streak: int = 0
     low_streak: int = 0
     acceptance_ema: float = PRIOR_ACCEPTANCE
+    drafted: int = 0  # drafts this drafter verified for the sequence, and how many were accepted
+    accepted: int = 0
+
+
+@dataclass
+class Route:
+    """The strategy router's decision for one request (router.py): the task it read from the prompt, the branch of
+    the decision tree it took, the methods that branch allows (the tree's preference first), and each place where
+    measurement made it depart from the tree, with the reason."""
+
+    task: str
+    branch: list[str]
+    candidates: tuple[str, ...]
+    departures: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        text = f"task={self.task}; {' -> '.join(self.branch)} [{', '.join(self.candidates) or 'plain decoding'}]"
+        return text + "".join(f"; departs: {d}" for d in self.departures)
+
+
+@dataclass
+class DomainState:
+    """One sequence's copy detector (router.DomainDetector): each committed token's bigram -> the token that
+    followed its latest occurrence, how far the index reaches, the running share of tokens that bigram lookup
+    predicted, and the domain it last settled on ("copying" or "writing"; None until the first window)."""
+
+    next_of: dict[tuple[int, int], int] = field(default_factory=dict)
+    done: int = 0
+    seen: int = 0
+    hit_rate: float = 0.0
+    domain: str | None = None
 
 
 @dataclass
@@ -46,6 +77,16 @@ class DraftState:
     hybrid_gamma: GammaState | None = None
     hybrid_trunk: int | None = None
     hybrid_trunk_len: int = 0
+    # chunked verification (speculator.py): the drafts kept back from the last verification, the length the
+    # sequence has when they still hold (every submitted draft accepted and the bonus token equal to pending[0]),
+    # their draft distributions and the method that drafted them
+    pending: list[int] = field(default_factory=list)
+    pending_probs: torch.Tensor | None = None
+    pending_at: int = -1
+    pending_method: str | None = None
+    # the strategy router (router.py): this request's route and its copy detector
+    route: Route | None = None
+    domain: DomainState = field(default_factory=DomainState)
 
 
-__all__ = ["PRIOR_ACCEPTANCE", "DraftState", "GammaState"]
+__all__ = ["PRIOR_ACCEPTANCE", "DomainState", "DraftState", "GammaState", "Route"]

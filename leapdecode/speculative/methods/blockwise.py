@@ -39,6 +39,7 @@ the shipped heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +115,15 @@ class BlockwiseProposer(HeadsProposer):
         self.settings = settings
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, view: EngineView) -> BlockwiseProposer:
-        folder = Path(cfg.model) if cfg.model else BLOCKWISE_DIR
+    def from_config(cls, cfg: SpeculativeConfig, view: EngineView, heads_dir: str | None = None,
+                    settings: Callable[[int], BlockwiseSettings] | None = None) -> BlockwiseProposer:
+        """The heads in ``heads_dir`` (default: the config's "model", else the shipped ones) with ``settings`` for
+        their number of heads (default: the config's)."""
+        folder = Path(heads_dir or cfg.model or BLOCKWISE_DIR)
         heads, subset, meta = load_heads(folder)
         weight = check_heads_fit(folder, heads, meta, view.model, kind="blockwise")
-        proposer = cls(heads, weight, subset, BlockwiseSettings.from_config(cfg, heads.num_heads))
+        resolve = settings or (lambda n: BlockwiseSettings.from_config(cfg, n))
+        proposer = cls(heads, weight, subset, resolve(heads.num_heads))
         proposer.pack_readout(view)
         return proposer
 

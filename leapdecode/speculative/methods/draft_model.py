@@ -15,6 +15,7 @@ the target's embedding and LM head and needs no second checkpoint (``make_draft_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,8 +29,8 @@ from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.speculative.artifacts import is_adapter_folder
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
 from leapdecode.speculative.policy import scratch_step
-from leapdecode.speculative.proposer import EngineView, Proposal
-from leapdecode.speculative.shadow_cache import Shadow, ShadowCacheProposer, attach_probs, draw_draft
+from leapdecode.speculative.proposer import EngineView, tensor_bytes
+from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 
 def check_same_tokenizer(target_tok, draft_tok) -> None:
@@ -49,12 +50,14 @@ def check_same_tokenizer(target_tok, draft_tok) -> None:
 class DraftModelProposer(ShadowCacheProposer):
     name = "draft_model"
 
-    def __init__(self, model: torch.nn.Module, target_vocab: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int, generator: torch.Generator) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, generator: torch.Generator,
+                 running: Callable[[], list[Sequence]]) -> None:
         self.model = model
         self.generator = generator  # the engine's, for unseeded sampled requests
-        self.target_vocab = target_vocab
+        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.running = running
         self.kv = KVCache(model.config, num_blocks, block_size, dtype, device)
         self.bm = self.shadow_bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.kv, block_size, device)
@@ -71,10 +74,14 @@ class DraftModelProposer(ShadowCacheProposer):
         view.pack_linears(model, linear_kernel)
         check_same_tokenizer(view.tokenizer, load_tokenizer(p) if view.tokenizer is not None else None)
         return cls(model, view.model.config.vocab_size, view.block_manager.num_blocks, view.block_size, view.device,
-                   view.dtype, view.max_model_len, view.generator)
+                   view.dtype, view.max_model_len, view.generator, view.running)
+
+    def memory_bytes(self) -> int:
+        """The draft model's weights and its own KV cache."""
+        return tensor_bytes(self.model) + self.kv.nbytes
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        v = self.target_vocab
+        v = self.vocab_size
         if logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:  # padded draft vocabulary
@@ -82,39 +89,20 @@ class DraftModelProposer(ShadowCacheProposer):
         pad = logits.new_full((*logits.shape[:-1], v - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        props = [Proposal([]) for _ in seqs]
-        active: list[int] = []
-        items: list[ForwardItem] = []
-        for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            if k <= 0:
-                continue
-            sh = self.shadows.setdefault(seq.request_id, Shadow())
-            start = sh.num_computed_tokens
-            k = min(k, self.max_model_len - seq.num_tokens)
-            if k <= 0 or not self.bm.can_allocate(sh, seq.num_tokens + k - 1):
-                continue
-            self.bm.allocate(sh, seq.num_tokens + k - 1)
-            new = seq.token_ids[start:]
-            items.append(ForwardItem(sh.block_table, start, new, [len(new) - 1]))
-            active.append(i)
-            budgets[i] = k
-        probs_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        while active:
-            results = self.runner.execute(items)
-            next_active, next_items = [], []
-            for i, it, res in zip(active, items, results):
-                seq, sh = seqs[i], self.shadows[seqs[i].request_id]
-                sh.num_computed_tokens = it.start + len(it.tokens)
-                tok, q = draw_draft(seq, self._fit_vocab(res.logits[-1:]), self.generator, self.argmax_drafts)
-                if q is not None:
-                    probs_rows[i].append(q)
-                props[i].tokens.append(tok)
-                if len(props[i].tokens) < budgets[i]:
-                    next_active.append(i)
-                    next_items.append(ForwardItem(sh.block_table, sh.num_computed_tokens, [tok], [0]))
-            active, items = next_active, next_items
-        return attach_probs(props, probs_rows)
+    def _draft_pass(self, active: list[Plan], fed: list[int] | None) -> tuple[list[ForwardItem], DraftLogits]:
+        """The draft model over each chain's new tokens: first every committed token it has not seen (usually the
+        bonus token and the last accepted draft, or a whole prompt), then the previous draft."""
+        if fed is None:
+            items = []
+            for p in active:
+                start = p.shadow.num_computed_tokens
+                new = p.seq.token_ids[start:]
+                items.append(ForwardItem(p.shadow.block_table, start, new, [len(new) - 1]))
+        else:
+            items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [tok], [0])
+                     for p, tok in zip(active, fed)]
+        results = self.runner.execute(items)
+        return items, (self._fit_vocab(torch.cat([res.logits[-1:] for res in results])), None)
 
     def timed_draft_step(self, n: int) -> None:
         """One draft forward of ``n`` rows at a short context on borrowed blocks."""

@@ -54,11 +54,11 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
 from leapdecode.speculative.exit_adapter import ExitAdapter
-from leapdecode.speculative.methods.self_spec import DEFAULT_MIN_DRAFT_PROB, Plan, SelfSpecProposer
+from leapdecode.speculative.methods.self_spec import DEFAULT_MIN_DRAFT_PROB, SelfSpecProposer
 from leapdecode.speculative.options import DraftPrecision, EagleTreeOptions
 from leapdecode.speculative.policy import expected_tokens
 from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
-from leapdecode.speculative.shadow_cache import attach_probs
+from leapdecode.speculative.shadow_cache import DraftLogits, Plan
 from leapdecode.speculative.tree import select_by_score
 
 # the tree defaults (EagleTreeOptions) were chosen on 6 MT-Bench development prompts at batch 1 on the 2-core
@@ -162,31 +162,32 @@ class EagleProposer(SelfSpecProposer):
         target features (its one logit row per sequence: the newest position)."""
         items = []
         for p in plans:
+            assert p.catchup is not None  # _catchup_for always gives features
             a, m = p.shadow.num_computed_tokens, p.catchup.shape[0]
             self.num_catchup_tokens += m - 1
             items.append(ForwardItem(p.shadow.block_table, a, [0] * m, [m - 1]))
         h_in = torch.cat([self._fused(p.catchup, p.seq.token_ids[p.shadow.num_computed_tokens :]) for p in plans])
         return items, h_in
 
-    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        props = [Proposal([]) for _ in seqs]
+        """A dynamic tree when ``tree_nodes`` asks for one, else a chain through the shared drafting loop."""
         if self.tree_nodes:
-            return self._propose_tree(seqs, budgets, props)
-        plans = self._plan(seqs, budgets)
-        if not plans:
-            return props
-        probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}
-        items, h_in = self._catchup_items(plans)
-        active = plans
-        while active:
-            feats = self._adapter_pass(items, h_in)  # f^ at each sequence's newest position
-            keep, toks = self._draft_step(active, items, self._subset_logits(feats), props, probs_rows)
-            active = [active[j] for j in keep]
-            if active:  # each chain's next input: its own feature and the token it just drafted
-                items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
-                h_in = self._fused(feats[keep], toks)
-        return attach_probs(props, probs_rows)
+            with torch.inference_mode():
+                return self._propose_tree(seqs, budgets, [Proposal([]) for _ in seqs])
+        return super().propose(seqs, budgets)
+
+    def _draft_pass(self, active: list[Plan], fed: list[int] | None) -> tuple[list[ForwardItem], DraftLogits]:
+        """The draft's layers over target features (the catch-up pass), then over each chain's own newest feature
+        with the token it just drafted; each chain keeps its output feature for the next pass."""
+        if fed is None:
+            items, h_in = self._catchup_items(active)
+        else:
+            items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
+            h_in = self._fused(torch.stack([p.feature for p in active if p.feature is not None]), fed)
+        feats = self._adapter_pass(items, h_in)  # f^ at each chain's newest position
+        for j, p in enumerate(active):
+            p.feature = feats[j]
+        return items, self._subset_logits(feats)
 
     # ---------------------------------------------------------------------------------------- dynamic tree
     def _propose_tree(self, seqs: list[Sequence], budgets: list[int], props: list[Proposal]) -> list[Proposal]:

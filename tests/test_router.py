@@ -1,0 +1,262 @@
+"""The strategy router behind ``auto`` (speculative/router.py): task classifier, decision-tree branches, the per-step
+pick, per-task acceptance, the copy detector, typed constraints, and the route an engine run reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.bench.rows import Row, explain_rows
+from leapdecode.cli import main
+from leapdecode.config import SpeculativeConfig
+from leapdecode.outputs import RequestMetrics
+from leapdecode.speculative.options import AutoOptions
+from leapdecode.speculative.policy import StepCostModel, group_by_acceptance
+from leapdecode.speculative.router import (
+    MIN_TASK_DRAFTS,
+    DomainDetector,
+    DrafterFacts,
+    Router,
+    TaskAcceptance,
+    classify_task,
+    lossy_blockwise,
+    pick,
+    plan_route,
+)
+from leapdecode.speculative.state import DraftState, GammaState, Route
+
+from .conftest import SPEC_PROMPTS as PROMPTS
+from .conftest import assert_no_leaks
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), kv_cache_blocks=256)
+
+
+ALL = [DrafterFacts(n, mb) for n, mb in (("ngram", 0), ("draft_model", 40), ("self_spec", 12), ("eagle", 30),
+                                         ("medusa", 20), ("blockwise", 20))]
+
+
+@pytest.mark.parametrize("text,task", [
+    ("Write a Python function that returns the n-th Fibonacci number.", "code"),
+    ("def add(a, b):\n    \"\"\"Return the sum of a and b.\n    >>> add(1, 2)\n    3\n    \"\"\"\n", "code"),
+    ("Solve for x: 3x + 5 = 20. Show your steps.", "math"),
+    ("What is the probability of rolling two sixes with two dice?", "math"),
+    ("Read the following passage and extract every date it mentions:\nOn 4 May the council met...", "grounded"),
+    ("Summarize the article below in three bullet points.\n\n" + "The council met again. " * 40, "grounded"),
+    ("Translate this sentence into French: the cat sleeps on the warm roof.", "translation"),
+    ("What are some good ways to spend a rainy Sunday?", "chat"),
+    ("Write a short poem about the sea at night.", "chat"),
+])
+def test_classifier_reads_the_task_from_the_prompt(text, task):
+    assert classify_task(text) == task
+
+
+def test_tree_branches_for_given_constraints():
+    # lossless, change allowed (default): the Medusa family first, then the separate drafters
+    r = plan_route("chat", AutoOptions(), ALL)
+    assert r.branch == ["lossless", "change allowed: Medusa"]
+    assert r.candidates == ("medusa", "eagle", "self_spec", "draft_model", "ngram") and not r.departures
+    # lossless with minimal change: speculative decoding with a separate drafter only
+    r = plan_route("code", AutoOptions(minimal_change=True), ALL)
+    assert r.candidates == ("draft_model", "ngram") and r.branch[-1] == "minimal change: speculative decoding"
+    # lossy allowed: block-parallel decoding, or non-autoregressive blocks under an extreme latency target
+    r = plan_route("chat", AutoOptions(lossless=False, latency_slo_ms=50), ALL)
+    assert r.candidates == ("blockwise",) and r.branch[-1] == "block-parallel decoding"
+    r = plan_route("chat", AutoOptions(lossless=False, latency_slo_ms=5), ALL)
+    assert r.candidates == ("blockwise",) and "non-autoregressive" in r.branch[-1]
+    # lossy without blockwise heads: the lossless branch, and the route says why
+    r = plan_route("chat", AutoOptions(lossless=False), [f for f in ALL if f.name != "blockwise"])
+    assert r.candidates[0] == "medusa" and "no blockwise heads" in r.departures[0]
+    # a memory budget leaves out the drafters over it, each named
+    r = plan_route("chat", AutoOptions(memory_budget_mb=25), ALL)
+    assert r.candidates == ("medusa", "self_spec", "ngram")
+    assert {d.split(" ")[0] for d in r.departures} == {"draft_model", "eagle"}
+    # no drafter of the Medusa family here: speculative decoding instead, said so
+    r = plan_route("chat", AutoOptions(), [f for f in ALL if f.name in ("ngram", "draft_model")])
+    assert r.candidates == ("draft_model", "ngram") and "speculative decoding instead" in r.departures[0]
+    assert "task=chat; lossless -> change allowed: Medusa [draft_model, ngram]; departs: no drafter" in r.explain()
+
+
+def test_lossy_settings_follow_the_latency_target():
+    assert lossy_blockwise(AutoOptions(lossless=False), 8) == lossy_blockwise(AutoOptions(lossless=False,
+                                                                                          latency_slo_ms=40), 8)
+    s = lossy_blockwise(AutoOptions(lossless=False, latency_slo_ms=5), 8)
+    assert (s.k, s.acceptance, s.min_block, s.lossy) == (8, "topk", 8, True)
+    assert lossy_blockwise(AutoOptions(lossless=False), 6).min_block == 0
+
+
+def test_pick_follows_the_tree_unless_measurement_disagrees():
+    route = Route("chat", ["lossless"], ("medusa", "eagle", "ngram"))
+    assert pick(route, {}) == (None, 0, None)
+    # within 5% of the best: the tree's choice stands
+    assert pick(route, {"medusa": (4, 97.0), "eagle": (3, 100.0)}) == ("medusa", 4, None)
+    # clearly slower: the best instead, with both rates
+    name, k, note = pick(route, {"medusa": (4, 60.0), "eagle": (3, 100.0), "ngram": (2, 99.0)})
+    assert (name, k) == ("eagle", 3) and note == "medusa -> eagle: medusa measured 60.0 tok/s < 100.0"
+    # the tree's first choice does not draft at all here
+    name, _, note = pick(route, {"ngram": (2, 50.0)})
+    assert name == "ngram" and "does not beat plain decoding" in note
+
+
+def test_task_acceptance_is_measured_before_it_is_used():
+    t = TaskAcceptance()
+    t.record("code", "ngram", MIN_TASK_DRAFTS - 1, 30)
+    assert t.acceptance("code", "ngram") is None
+    t.record("code", "ngram", 1, 0)
+    assert t.acceptance("code", "ngram") == pytest.approx(30 / MIN_TASK_DRAFTS)
+    assert t.acceptance("chat", "ngram") is None
+
+
+class _Seq:
+    """The few fields of a Sequence the copy detector reads."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.draft_state = DraftState()
+
+
+def test_copy_detector_switches_from_copying_to_writing_and_back():
+    prompt = list(range(100, 160))
+    seq, det = _Seq(prompt), DomainDetector()
+    events = []
+    stream = prompt[:40] + list(range(1000, 1040)) + prompt[:40]  # copy, write fresh text, copy again
+    for i, tok in enumerate(stream):
+        seq.token_ids.append(tok)
+        new = det.update(seq)  # type: ignore[arg-type]
+        if new:
+            events.append((i, new))
+    assert [e[1] for e in events] == ["writing", "copying"]
+    assert 40 < events[0][0] < 50 and 80 < events[1][0] < 90  # within a few tokens of each change
+    # tokens are indexed once: feeding nothing new changes nothing
+    st = seq.draft_state.domain
+    before = (st.seen, st.hit_rate)
+    assert det.update(seq) is None and (st.seen, st.hit_rate) == before  # type: ignore[arg-type]
+
+
+def test_auto_constraints_are_typed_options():
+    cfg = SpeculativeConfig.from_dict({"method": "auto", "lossless": False, "latency_slo_ms": 8,
+                                       "memory_budget_mb": 64, "minimal_change": True})
+    assert cfg.auto == AutoOptions(lossless=False, minimal_change=True, latency_slo_ms=8, memory_budget_mb=64)
+    with pytest.raises(ValueError, match="unknown speculative option 'lossles'.*latency_slo_ms"):
+        SpeculativeConfig.from_dict({"method": "auto", "lossles": False})
+    with pytest.raises(ValueError, match="lossless must be true or false"):
+        SpeculativeConfig.from_dict({"method": "auto", "lossless": "no"})
+    with pytest.raises(ValueError, match="latency_slo_ms must be a positive number"):
+        SpeculativeConfig.from_dict({"method": "auto", "latency_slo_ms": -1})
+    with pytest.raises(ValueError, match="unknown speculative option 'memory_budget_mb'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "memory_budget_mb": 10})
+
+
+def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, plain_tiny):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    # verification as cheap as a plain step, so drafting pays whatever this machine's timing
+    spec.engine.speculator.cost = StepCostModel([(1, 1.0), (65, 1.0)])
+    outs = spec.generate(PROMPTS, params, use_tqdm=False)
+    base = plain_tiny.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    for o in outs:
+        m = o.metrics
+        # no drafter of the Medusa family on this tiny model: speculative decoding with the draft model
+        assert m.route.startswith("task=") and "[draft_model, ngram]" in m.route
+        assert sum(m.draft_methods.values()) > 0 and set(m.draft_methods) <= {"ngram", "draft_model"}
+        assert m.to_dict()["route"] == m.route
+    assert_no_leaks(spec)
+    # a memory budget below the draft model's size leaves it out, and the route says so
+    small = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
+                                                               "memory_budget_mb": 0.5})
+    small.engine.speculator.cost = StepCostModel([(1, 1.0), (65, 1.0)])
+    m = small.generate(PROMPTS[:1], params, use_tqdm=False)[0].metrics
+    assert "[ngram]" in m.route and "draft_model holds" in m.route and set(m.draft_methods) <= {"ngram"}
+
+
+def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    sp = spec.engine.speculator
+    seq = _Seq([5, 6, 7])
+    seq.metrics = type("M", (), {"route": None})()  # type: ignore[attr-defined]
+    seq.prompt_token_ids = seq.token_ids  # type: ignore[attr-defined]
+    for name in ("ngram", "draft_model"):
+        sp.state(seq, name).acceptance_ema = 0.05  # type: ignore[arg-type]
+    seq.draft_state.domain.hit_rate = 0.9
+    sp._restart_estimates(seq)  # type: ignore[arg-type]
+    assert sp.state(seq, "ngram").acceptance_ema == 0.9  # type: ignore[arg-type]
+    prior = sp.proposers["draft_model"].acceptance_prior()
+    assert sp.state(seq, "draft_model").acceptance_ema == prior  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ acceptance grouping
+def test_grouping_keeps_a_low_acceptance_sequence_from_lengthening_the_step():
+    # a step cost that jumps past 8 rows (a kernel's tile edge)
+    cost = StepCostModel([(1, 1.0), (8, 1.05), (9, 2.0), (65, 3.0)])
+    free = lambda g: 0.0  # noqa: E731
+    wants = [(0.6, 3, free), (0.9, 6, free)]
+    # alone, each sees a step of 2 rows: both draft, 11 rows, and the whole batch pays the slower step
+    assert [cost.best_gamma(a, k, 2, 2, d) for a, k, d in wants] == [3, 6]
+    # together: the well-accepted sequence fills the cheap rows; the other's drafts would cross the edge
+    assert group_by_acceptance(wants, cost, 2) == [0, 6]
+    # fixed sizes (trees, kept tails) are taken as asked and count toward the step first
+    assert group_by_acceptance([(None, 6, free), (0.5, 6, free)], cost, 2) == [6, 0]
+
+
+def test_grouped_sizing_is_lossless_at_batch(tiny_model_dir, plain_tiny):
+    """8 sequences whose drafts are all accepted (the target drafts for itself), under a step cost that jumps past
+    12 rows: sized alone, each drafts as if the others verified one token and the steps cross the edge; sized
+    together, the steps stay under it. Tokens equal plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS * 2
+    base = [o.outputs[0].token_ids for o in plain_tiny.generate(prompts, params, use_tqdm=False)]
+    widest = {}
+    for grouped in (True, False):
+        spec = LLM.from_engine_of(plain_tiny, speculative_config={
+            "method": "draft_model", "model": str(tiny_model_dir), "group_by_acceptance": grouped})
+        sp = spec.engine.speculator
+        sp.cost = StepCostModel([(1, 1.0), (12, 1.05), (13, 2.0), (65, 3.0)])
+        sp.proposer.step_cost_fn = lambda n: 0.0
+        rows: list[int] = []
+        propose = sp.propose
+
+        def record(scheduled, propose=propose, rows=rows, running=sp.view.running):
+            propose(scheduled)  # a decoding step's rows: one per running sequence plus the drafts
+            rows.append(len(running()) + sum(len(s.seq.draft_token_ids) for s in scheduled))
+
+        sp.propose = record
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == base
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        widest[grouped] = max(rows)
+        assert_no_leaks(spec)
+    assert widest[True] <= 12 < widest[False]
+
+
+def test_a_task_starts_where_its_earlier_requests_measured():
+    router = Router(AutoOptions(), ALL, lambda ids: "Write a Python function that sorts a list." if ids[0] == 1
+                    else "Tell me about the sea.", {"medusa": 0.1})
+    code, chat = _Seq([1, 2, 3]), _Seq([7, 8, 9])
+    for s in (code, chat):
+        s.prompt_token_ids = s.token_ids  # type: ignore[attr-defined]
+        s.metrics = RequestMetrics()  # type: ignore[attr-defined]
+    assert router.route(code).task == "code" and router.route(chat).task == "chat"  # type: ignore[arg-type]
+    assert "medusa left out: its measured acceptance 0.10" in code.metrics.route  # type: ignore[attr-defined]
+    assert router.prior(code, "ngram", 0.7) == 0.7  # type: ignore[arg-type]
+    code.draft_state.gamma["ngram"] = GammaState(3, drafted=MIN_TASK_DRAFTS, accepted=MIN_TASK_DRAFTS // 4)
+    router.finish(code)  # type: ignore[arg-type]
+    later = _Seq([1, 5])
+    later.prompt_token_ids = later.token_ids  # type: ignore[attr-defined]
+    later.metrics = RequestMetrics()  # type: ignore[attr-defined]
+    assert router.prior(later, "ngram", 0.7) == 0.25  # type: ignore[arg-type]
+    assert router.prior(chat, "ngram", 0.7) == 0.7  # type: ignore[arg-type]  # another task: not measured yet
+
+
+def test_generate_explain_prints_the_route(tiny_model_dir, capsys):
+    assert main(["generate", "a b c a b c a b", "--model", str(tiny_model_dir), "--max-tokens", "6",
+                 "--speculative-config", '{"method": "auto"}', "--explain"]) == 0
+    err = capsys.readouterr().err
+    assert "[route: task=chat; lossless -> change allowed: Medusa [ngram]" in err and "domain switches: 0" in err
+    rows = [Row("leapdecode", "auto", 1, 2, 10, 1.0, 1.0, 1.0, routes={"task=chat; x": 2},
+                draft_methods={"ngram": 3})]
+    assert explain_rows(rows) == ["- auto at batch 1: steps drafted by method: ngram 3",
+                                  "  - 2 request(s): task=chat; x"]
