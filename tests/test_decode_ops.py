@@ -1,4 +1,4 @@
-"""The decode-step C++ ops (kernels/decode_ops.cpp): RMSNorm and one token's paged attention equal torch's."""
+"""The decode-step C++ ops (kernels/layer_ops.cpp, attention_rows.cpp): RMSNorm and paged attention equal torch's."""
 
 from __future__ import annotations
 

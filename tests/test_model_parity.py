@@ -39,6 +39,7 @@ def _build_hf(arch: str, seed: int, overrides: dict[str, Any]) -> torch.nn.Modul
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     cfg = cfg_cls(**{**BASE, **overrides})
     torch.manual_seed(seed)
@@ -90,6 +91,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen2_bias": ("qwen2", {"rope_theta": 20000.0}),
+    "mistral_window": ("mistral", {"sliding_window": 8, "rope_theta": 10000.0}),  # prompts here cross it
 }
 
 
@@ -265,7 +267,7 @@ def test_interleaved_growth_gives_non_contiguous_tables(model_pair) -> None:
 
 
 @pytest.mark.parametrize("kernels", [False, True])
-@pytest.mark.parametrize("name", ["gqa_4_2", "mqa_4_1", "mha_4_4", "qwen2_bias"])
+@pytest.mark.parametrize("name", ["gqa_4_2", "mqa_4_1", "mha_4_4", "qwen2_bias", "mistral_window"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_mixed_flat_batches_match_hf(model_pair, name: str, block_size: int, kernels: bool) -> None:
     """Prefills (long and short), chunk continuations and decode rows of several sequences, one flat batch."""
@@ -334,7 +336,7 @@ def test_config_reads_rope_and_tying(model_pair) -> None:
 # ------------------------------------------------------------------------------------ bit-identical kernels
 
 
-@pytest.mark.parametrize("name", ["gqa_4_2", "tied"])
+@pytest.mark.parametrize("name", ["gqa_4_2", "tied", "mistral_window"])
 def test_kernel_rows_are_bit_identical_alone_batched_and_as_drafts(model_pair, name: str) -> None:
     """With the CPU kernels every row is computed on its own: a token's logits are bitwise the same decoded
     alone, decoded in a batch with another sequence, and verified as part of a draft chain, which is what makes

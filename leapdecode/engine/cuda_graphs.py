@@ -44,10 +44,13 @@ class StepShape:
     q_len: int  # rows per sequence, padding included
 
 
-def wanted(device: torch.device, enforce_eager: bool, kv_device_layers: int | None) -> bool:
-    """Whether an engine captures graphs: on CUDA with triton, unless told not to or some layers' KV lives in host
-    memory (those layers fetch their slots through host-side indexing, which a graph cannot record)."""
-    return device.type == "cuda" and triton_attention.AVAILABLE and not enforce_eager and kv_device_layers is None
+def wanted(device: torch.device, enforce_eager: bool, kv_device_layers: int | None,
+           windowed: bool = False) -> bool:
+    """Whether an engine captures graphs: on CUDA with triton, unless told not to, some layers' KV lives in host
+    memory (those layers fetch their slots through host-side indexing, which a graph cannot record), or some layers
+    attend within a sliding window (the captured Triton attention reads every position)."""
+    return (device.type == "cuda" and triton_attention.AVAILABLE and not enforce_eager and kv_device_layers is None
+            and not windowed)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int | None:

@@ -54,7 +54,8 @@ def profile_activation_peak(model: torch.nn.Module, cfg: ModelConfig, num_tokens
     scratch = KVCache(cfg, blocks, block_size, dtype, device)
     seq = SeqAttention(0, num_tokens, num_tokens, list(range(blocks)), block_size)
     slots = seq.slots().to(device)
-    meta = build_attention_metadata([seq], slots, cfg.num_attention_heads // cfg.num_key_value_heads, device)
+    meta = build_attention_metadata([seq], slots, cfg.num_attention_heads // cfg.num_key_value_heads, device,
+                                    windows=cfg.attention_windows())
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), scratch.layers, meta)
     model.compute_logits(hidden[-1:])

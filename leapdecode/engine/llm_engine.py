@@ -110,7 +110,8 @@ class LLMEngine:
                 config.kv_cache_memory_fraction, config.kv_device_layers,
             )
         num_blocks = parallel.min_over_ranks(num_blocks)  # every rank's scheduler plans over the same blocks
-        use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers)
+        use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers,
+                                        bool(mcfg.attention_windows()))
         # with CUDA graphs, one more block that no sequence owns takes the padding rows' K/V writes
         pool_blocks = num_blocks + (cuda_graphs.SCRATCH_BLOCKS if use_graphs else 0)
         self.kv_cache = KVCache(mcfg, pool_blocks, config.block_size, kv_dtype, self.device, config.kv_device_layers)

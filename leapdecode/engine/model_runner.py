@@ -73,7 +73,8 @@ class ModelRunner:
                 positions.append(torch.arange(it.start, it.start + q_len))
             else:
                 positions.append(it.start + torch.tensor(it.depths, dtype=torch.long))
-            sa = SeqAttention(q_start, q_len, it.start + q_len, it.block_table, self.block_size, it.tree_mask)
+            sa = SeqAttention(q_start, q_len, it.start + q_len, it.block_table, self.block_size, it.tree_mask,
+                              None if it.depths is None else positions[-1])
             slot_parts.append(sa.slots()[it.start :])
             seqs.append(sa)
             rows += [q_start + r for r in it.logit_rows]
@@ -83,7 +84,8 @@ class ModelRunner:
         slot_mapping = torch.cat(slot_parts).to(dev)
         # int8 activations: prompts through the rows kernel too, or a prefix-cache hit would change the output
         small_query = None if getattr(self.model, "int8_activations", False) else SMALL_QUERY
-        meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query)
+        meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query,
+                                        self.model.config.attention_windows())
         return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
     def add_capture(self, layer: int, fn: CaptureFn,

@@ -12,14 +12,16 @@ Groups are planned once per step by :func:`build_attention_metadata` and reused 
 - a long prefill chunk gets its own call (it is compute-bound; padding it with others would waste work);
 - a sequence whose slots are one contiguous run reads the cache through a view instead of a gather.
 
-Masks are boolean (True = may attend). A new token at absolute position p may see every cached position <= p;
+Masks are boolean (True = may attend). A new token at absolute position p may see every cached position <= p
+(with a sliding window w: the positions p - w + 1 .. p, and the cache before the earliest window is not read);
 a candidate tree (Medusa, hybrid) replaces the causal rule among the new tokens with its ancestor mask; a tree
 grown over several passes (the feature draft's dynamic tree) extends that mask over its nodes already cached.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,10 @@ class SeqAttention:
     # [q_len, m] bool, m >= q_len: what each new token may see of the last m positions (m - q_len earlier
     # tree nodes already in the cache, then the new tokens); None = causal
     tree_mask: torch.Tensor | None = None
+    # the new tokens' positions in the text (a tree's nodes sit at their depth); None = their cache positions
+    positions: torch.Tensor | None = None
+    # sliding window: a token sees the positions p - window + 1 .. p of the text; None = everything before it
+    window: int | None = None
     _slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def slots(self) -> torch.Tensor:
@@ -53,11 +59,35 @@ class SeqAttention:
             self._slots = (table * self.block_size + torch.arange(self.block_size)).view(-1)[: self.ctx_len]
         return self._slots
 
+    def row_positions(self) -> torch.Tensor:
+        """[q_len] the new tokens' positions in the text."""
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.ctx_len - self.q_len, self.ctx_len)
+
+    def first(self) -> int:
+        """The first cache position any new token may see: 0, or where the earliest row's window begins (the
+        positions before it are never read). A tree's nodes stay visible whatever the window."""
+        if self.window is None:
+            return 0
+        tree = self.q_len if self.tree_mask is None else self.tree_mask.shape[1]
+        start = int(self.row_positions().min()) - self.window + 1
+        return max(0, min(start, self.ctx_len - tree))
+
+    def kv_len(self) -> int:
+        """Positions read: first() .. ctx_len - 1."""
+        return self.ctx_len - self.first()
+
+    def kv_slots(self) -> torch.Tensor:
+        """Cache slots of the positions read, first() .. ctx_len - 1."""
+        return self.slots()[self.first():]
+
     def contiguous_start(self) -> int | None:
-        """First slot when the positions 0..ctx_len-1 occupy one run of slots (read through a view)."""
-        t = self.block_table[: -(-self.ctx_len // self.block_size)]
+        """First slot when the positions read occupy one run of slots (read through a view)."""
+        first = self.first()
+        t = self.block_table[first // self.block_size : -(-self.ctx_len // self.block_size)]
         if t[-1] - t[0] == len(t) - 1 and all(b - a == 1 for a, b in zip(t, t[1:])):
-            return t[0] * self.block_size
+            return t[0] * self.block_size + first % self.block_size
         return None
 
 
@@ -84,14 +114,25 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     num_tokens: int
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the same step as seen by layers with a sliding window, by window size (built with the step)
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
     _triton: triton_attention.RowBatch | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The step as a layer with this sliding window (None: global attention) sees it."""
+        if window is None:
+            return self
+        if window not in self.windowed:
+            raise ValueError(f"the step was planned without sliding window {window} (has {sorted(self.windowed)})")
+        return self.windowed[window]
 
     def triton_rows(self, device: torch.device) -> triton_attention.RowBatch | None:
         """The few-row groups' sequences (split or not) packed for one Triton launch (layers/triton_attention.py);
-        built on first use in a step, then reused by every layer."""
+        built on first use in a step, then reused by every layer. None for a sliding-window plan: the Triton kernel
+        reads every position, so those layers take the windowed torch path."""
         if self._triton is None:
             seqs = [s for g in self.groups if g.seqs is not None for s in g.seqs]
-            if not seqs:
+            if not seqs or any(s.window is not None for s in seqs):
                 return None
             self._triton = triton_attention.RowBatch.from_seqs(seqs, device)
         return self._triton
@@ -102,7 +143,7 @@ class AttentionMetadata:
         return rows is not None and rows[0].numel() == self.num_tokens
 
     def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For the C++ rows kernel (kernels/decode_ops.cpp): every row of the few-row groups not split by
+        """For the C++ rows kernel (kernels/attention_rows.cpp): every row of the few-row groups not split by
         split_kv, as (rows [R], spans [R, 2], slots): row ``rows[r]`` sees ``slots[spans[r, 0]:spans[r, 1]]``,
         its visible positions in order. Causal rows of one sequence share its slot list (row i sees a prefix of
         it), so a prompt costs O(length) here, not O(length^2); tree rows list their visible slots each. Built
@@ -114,18 +155,21 @@ class AttentionMetadata:
                 if g.seqs is None or g.split is not None:
                     continue
                 for s in g.seqs:
-                    seq_slots = s.slots()
+                    seq_slots, first = s.kv_slots(), s.first()
                     rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
-                    if s.tree_mask is None:  # row i sees positions 0 .. ctx_len - q_len + i
-                        ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1)
-                        spans.append(torch.stack([torch.full_like(ends, base), ends + base], dim=1))
+                    if s.tree_mask is None:  # row i sees positions (window start) .. ctx_len - q_len + i
+                        ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1) - first
+                        starts = torch.zeros_like(ends)
+                        if s.window is not None:
+                            starts = (s.row_positions() - s.window + 1 - first).clamp(min=0)
+                        spans.append(torch.stack([starts + base, ends + base], dim=1))
                         slots.append(seq_slots)
-                        base += s.ctx_len
+                        base += len(seq_slots)
                     else:
-                        vis = _visible(s)  # [q_len, ctx_len]: row-major = each row's positions in order
+                        vis = _visible(s)  # [q_len, kv_len]: row-major = each row's positions in order
                         ends = vis.sum(1).cumsum(0) + base
                         spans.append(torch.stack([torch.cat([ends.new_tensor([base]), ends[:-1]]), ends], dim=1))
-                        slots.append(seq_slots.expand(s.q_len, s.ctx_len)[vis])
+                        slots.append(seq_slots.expand(s.q_len, len(seq_slots))[vis])
                         base = int(ends[-1])
             if not rows:
                 return None
@@ -134,23 +178,35 @@ class AttentionMetadata:
 
 
 def _visible(seq: SeqAttention) -> torch.Tensor:
-    """[q_len, ctx_len] bool: which cached/new positions each new token may attend to."""
-    ctx, q = seq.ctx_len, seq.q_len
-    past = ctx - q
-    qpos = torch.arange(q).unsqueeze(1) + past
-    vis = torch.arange(ctx).unsqueeze(0) <= qpos
+    """[q_len, kv_len] bool: which of the positions read (first() .. ctx_len - 1) each new token may attend to."""
+    ctx, q, first = seq.ctx_len, seq.q_len, seq.first()
+    cols = torch.arange(first, ctx).unsqueeze(0)
+    vis = cols <= torch.arange(ctx - q, ctx).unsqueeze(1)
+    if seq.window is not None:  # positions before the window; a tree's nodes are masked by the tree alone
+        vis &= cols > (seq.row_positions() - seq.window).unsqueeze(1)
     if seq.tree_mask is not None:
-        vis[:, ctx - seq.tree_mask.shape[1] :] = seq.tree_mask
+        vis[:, vis.shape[1] - seq.tree_mask.shape[1] :] = seq.tree_mask
     return vis
 
 
 def build_attention_metadata(
     seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_size: int, device: torch.device,
-    small_query: int | None = SMALL_QUERY,
+    small_query: int | None = SMALL_QUERY, windows: Sequence[int] = (),
 ) -> AttentionMetadata:
     """``small_query``: sequences with at most this many new tokens join the few-row groups (the C++ rows kernel
     on a CPU); ``None`` puts every sequence there, prompts included, so that a prompt token's attention is
-    computed exactly as it would be for a decoded token (needed where rounding is coarse: int8 activations)."""
+    computed exactly as it would be for a decoded token (needed where rounding is coarse: int8 activations).
+    ``windows``: the model's sliding windows; the step is also planned as each of them sees it
+    (:meth:`AttentionMetadata.for_window`), reading only the positions inside the window."""
+    meta = _plan_groups(seqs, slot_mapping, group_size, device, small_query)
+    for w in windows:
+        windowed = [replace(s, window=w) for s in seqs]
+        meta.windowed[w] = _plan_groups(windowed, slot_mapping, group_size, device, small_query)
+    return meta
+
+
+def _plan_groups(seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_size: int, device: torch.device,
+                 small_query: int | None) -> AttentionMetadata:
     limit = small_query if small_query is not None else max((s.q_len for s in seqs), default=0)
     small = [s for s in seqs if s.q_len <= limit]
     large = [s for s in seqs if s.q_len > limit]
@@ -167,8 +223,9 @@ def build_attention_metadata(
         else:
             groups.append(_padded_group(part, device, group_size))
         groups[-1].seqs = part
-        if split_kv.use_split(groups[-1]):  # few rows over a long context (see split_kv.py)
-            groups[-1].split = split_kv.plan_split(groups[-1], part, part[0].block_size)
+        g = groups[-1]
+        if split_kv.use_split(g.fold, g.batch, g.kv_len):  # few rows over a long context (see split_kv.py)
+            g.split = split_kv.plan_split(g.batch, g.kv_len, g.mask, g.kv_slots, part[0].block_size)
     total = sum(s.q_len for s in seqs)
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=total)
 
@@ -179,16 +236,16 @@ def _fold_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _single_group(s: SeqAttention, device: torch.device, fold: bool, group_size: int = 1) -> AttentionGroup:
-    g = AttentionGroup(batch=1, q_len=s.q_len, kv_len=s.ctx_len, q_start=s.q_start, fold=fold)
+    g = AttentionGroup(batch=1, q_len=s.q_len, kv_len=s.kv_len(), q_start=s.q_start, fold=fold)
     g.kv_start = s.contiguous_start()
     if g.kv_start is None:
-        g.kv_slots = s.slots().to(device)
+        g.kv_slots = s.kv_slots().to(device)
     if s.tree_mask is None and s.q_len == 1:
-        return g  # a single new token sees everything: no mask
-    if s.tree_mask is None and s.q_len == s.ctx_len and not fold:
+        return g  # a single new token sees every position read (its window, if any): no mask
+    if s.tree_mask is None and s.q_len == s.ctx_len and not fold and (s.window is None or s.window >= s.ctx_len):
         g.causal = True
         return g
-    mask = _visible(s).view(1, 1, s.q_len, s.ctx_len)
+    mask = _visible(s).view(1, 1, s.q_len, g.kv_len)
     g.mask = (_fold_mask(mask, group_size) if fold else mask).to(device)
     return g
 
@@ -196,7 +253,7 @@ def _single_group(s: SeqAttention, device: torch.device, fold: bool, group_size:
 def _padded_group(seqs: list[SeqAttention], device: torch.device, group_size: int) -> AttentionGroup:
     b = len(seqs)
     q_len = max(s.q_len for s in seqs)
-    kv_len = max(s.ctx_len for s in seqs)
+    kv_len = max(s.kv_len() for s in seqs)
     q_rows = torch.zeros(b, q_len, dtype=torch.long)
     q_valid = torch.zeros(b, q_len, dtype=torch.bool)
     kv_slots = torch.zeros(b, kv_len, dtype=torch.long)
@@ -205,8 +262,8 @@ def _padded_group(seqs: list[SeqAttention], device: torch.device, group_size: in
         q_rows[i, : s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
         q_rows[i, s.q_len :] = s.q_start  # padding re-reads a valid row; its output is dropped
         q_valid[i, : s.q_len] = True
-        kv_slots[i, : s.ctx_len] = s.slots()
-        mask[i, 0, : s.q_len, : s.ctx_len] = _visible(s)
+        kv_slots[i, : s.kv_len()] = s.kv_slots()
+        mask[i, 0, : s.q_len, : s.kv_len()] = _visible(s)
         mask[i, 0, s.q_len :, 0] = True  # padded rows see one key so softmax stays finite
     return AttentionGroup(
         batch=b,
@@ -232,7 +289,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] tensors or int8 planes (kv_quant.py).
     ``use_kernel``: over a float32 or int8 CPU cache, the rows of few-token groups (decode tokens, drafts, tree
-    nodes) attend in one C++ call, each row on its own (kernels/decode_ops.cpp), so a token's result does not
+    nodes) attend in one C++ call, each row on its own (kernels/attention_rows.cpp), so a token's result does not
     depend on the batch or on being verified among drafts. Returns [T, H, D]."""
     if isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV):
         # an int8 cache stores keys as ((k - mu) / s) R and values as v R (kv_quant.py): attend in that basis

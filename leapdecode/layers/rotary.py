@@ -20,6 +20,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "freq_factors":  # a GGUF file's rope_freqs: one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
+        if factors.numel() != inv.numel():
+            raise ValueError(f"{factors.numel()} RoPE frequency factors for {inv.numel()} frequencies")
+        return inv / factors
     if kind == "llama3":
         factor = scaling["factor"]
         lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -31,7 +36,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, and a GGUF "
+                     "file's frequency factors)")
 
 
 class RotaryEmbedding(nn.Module):

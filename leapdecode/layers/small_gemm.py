@@ -49,8 +49,8 @@ A8_KIND_OF_LINES = {A8_Q4_LINES: "q4", A8_Q8_LINES: "q8", A8_Q4K_LINES: "q4k", A
 SEGMENTS_MAGIC = 0x53544E454D474553  # "SEGMENTS": a weight of parts in different formats (kernels/small_gemm.cpp)
 MAX_ROWS = 64  # beyond this the call is compute-bound and torch's GEMM is as fast (measured up to 64)
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / "small_gemm.cpp", KERNELS / "int8_gemm.cpp", KERNELS / "gguf_blocks.cpp",
-           KERNELS / "decode_ops.cpp"]  # one extension: one build, one load
+SOURCES = [KERNELS / name for name in ("small_gemm.cpp", "int8_gemm.cpp", "gguf_blocks.cpp", "layer_ops.cpp",
+                                       "attention_rows.cpp", "int8_kv.cpp", "decoder_stack.cpp")]  # one build, one load
 _ext = None
 _error: str | None = None
 
@@ -250,7 +250,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in one C++ call (kernels/decode_ops.cpp) for CPU float32 inference; torch's otherwise."""
+    """RMSNorm in one C++ call (kernels/layer_ops.cpp) for CPU float32 inference; torch's otherwise."""
     if _ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
         return _ext.rms_norm(x.contiguous(), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -258,7 +258,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attention_rows(q, k_cache, v_cache, rows, spans, slots, scale: float, out: torch.Tensor) -> None:
     """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
-    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/decode_ops.cpp; see attention.AttentionMetadata.kernel_rows)."""
+    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/attention_rows.cpp; see attention.AttentionMetadata.kernel_rows)."""
     _ext.attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, out)
 
 
@@ -315,13 +315,18 @@ def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch
 
 
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int) -> None:
-    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (decode_ops.cpp)."""
+    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (layer_ops.cpp)."""
     _ext.rope_(qkv, cos, sin_signed, num_heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (decode_ops.cpp)."""
+    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
     return _ext.silu_mul(gate_up.contiguous())
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (GELU's tanh form) of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
+    return _ext.gelu_tanh_mul(gate_up.contiguous())
 
 
 def decoder_layer(*args) -> torch.Tensor:
@@ -332,7 +337,7 @@ def decoder_layer(*args) -> torch.Tensor:
 def rotate_rows(x: torch.Tensor, smooth: torch.Tensor | None, rotation: torch.Tensor | None,
                 transpose: bool) -> torch.Tensor:
     """``(x * smooth) @ R`` (or ``x @ R.T``) for rows x [T, H, D] in one C++ call: the int8 KV cache's query and
-    output basis changes, shared by the per-op path and the fused layer so both round alike (decode_ops.cpp)."""
+    output basis changes, shared by the per-op path and the fused layer so both round alike (int8_kv.cpp)."""
     empty = x.new_empty(0)
     return _ext.rotate_rows(x, empty if smooth is None else smooth, empty if rotation is None else rotation,
                             transpose)
@@ -349,10 +354,13 @@ class StackWeights:
 
     weights: list[torch.Tensor]  # 6 per layer, as decoder_layer takes them
     biases: list[torch.Tensor]  # 1 per layer; empty = no QKV bias
+    norms: list[torch.Tensor]  # empty (Llama's layout), or 4 per layer: q, k, attention output, MLP output (or empty)
+    windowed: list[int]  # 1 per layer: it attends within the sliding window (its RoPE table and rows are the 2nd)
     num_heads: int
     num_kv_heads: int
     eps: float
     scale: float
+    gelu: bool  # GeGLU instead of SwiGLU
 
 
 @dataclass
@@ -363,25 +371,32 @@ class LayerStack:
     weights: StackWeights
     caches: list[torch.Tensor]
     transforms: list[torch.Tensor]
+    window: int | None = None  # the sliding window of the windowed layers (weights.windowed)
 
 
 def stack_weights(layer_args: list[tuple]) -> StackWeights:
-    """Flatten ``DecoderLayer.fused_args()`` of consecutive layers (which share heads, eps and scale)."""
-    heads = {a[2:] for a in layer_args}
-    if len(heads) != 1:
-        raise ValueError(f"decoder_stack needs layers of one shape, got {sorted(heads)}")
+    """Flatten ``DecoderLayer.fused_args()`` of consecutive layers (which share heads, eps, scale and MLP)."""
+    shared = {a[2:6] + a[8:] for a in layer_args}
+    if len(shared) != 1:
+        raise ValueError(f"decoder_stack needs layers of one shape, got {sorted(shared)}")
+    heads, kv_heads, eps, scale, gelu = shared.pop()
     empty = torch.empty(0)
+    norms = [n if n is not None else empty for a in layer_args if a[6] is not None for n in a[6]]
+    if norms and len(norms) != 4 * len(layer_args):
+        raise ValueError("decoder_stack needs the layers' q/k norms for all layers or none")
     return StackWeights([w for a in layer_args for w in a[0]], [empty if a[1] is None else a[1] for a in layer_args],
-                        *heads.pop())  # fmt: skip
+                        norms, [int(a[7]) for a in layer_args], heads, kv_heads, eps, scale, gelu)  # fmt: skip
 
 
-def decoder_stack(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin_signed: torch.Tensor,
-                  slot_mapping: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Run a stack of decoder layers for one step of few-token rows in one C++ call (``decoder_layer`` or
-    ``decoder_layer_i8`` per layer, so bitwise the per-layer result); see models/llama.py ``_layer_stack``."""
+def decoder_stack(x: torch.Tensor, stack: LayerStack, ropes: list[torch.Tensor], slot_mapping: torch.Tensor,
+                  row_sets: list[torch.Tensor]) -> torch.Tensor:
+    """Run a stack of decoder layers for one step of few-token rows in one C++ call (``decoder_layer``,
+    ``decoder_layer_i8`` or the normed layout per layer, so bitwise the per-layer result); see models/llama.py
+    ``_layer_stack``. ``ropes``: cos, sin of the global layers then of the windowed ones; ``row_sets``: the rows
+    kernel's rows, spans, slots as the global layers see the step, then as the windowed ones do."""
     w = stack.weights
-    return _ext.decoder_stack(x, w.weights, w.biases, cos, sin_signed, stack.caches, stack.transforms, slot_mapping,
-                              *rows, w.num_heads, w.num_kv_heads, w.eps, w.scale)  # fmt: skip
+    return _ext.decoder_stack(x, w.weights, w.biases, w.norms, ropes, stack.caches, stack.transforms, slot_mapping,
+                              row_sets, w.windowed, w.num_heads, w.num_kv_heads, w.eps, w.scale, w.gelu)  # fmt: skip
 
 
 def packed_formats(model: torch.nn.Module) -> dict[str, int]:

@@ -33,14 +33,10 @@ tensors, the executable definition the tests compare against plain attention.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from leapdecode.layers.kv_quant import KVPlane, read_kv_slots
-
-if TYPE_CHECKING:
-    from leapdecode.layers.attention import AttentionGroup, SeqAttention
 
 # Measured on the 2-core development CPU (SmolLM2 shape: 9 query / 3 KV heads x 64, float32). Per layer call,
 # ``python -m leapdecode.eval.attention_bench`` (split / plain; the machine is shared, so +-10%):
@@ -116,36 +112,41 @@ class SplitPlan:
     chunks: list[KVChunk] = field(default_factory=list)
 
 
-def use_split(g: AttentionGroup) -> bool:
-    """Whether group ``g`` takes a split path (constants are read at call time, so tests can patch them)."""
-    if not g.fold:
+def use_split(folded: bool, batch: int, kv_len: int) -> bool:
+    """Whether an attention group (GQA heads ``folded`` into rows, ``batch`` sequences, ``kv_len`` context
+    positions each) takes a split path (constants are read at call time, so tests can patch them)."""
+    if not folded:
         return False
-    if g.batch == 1:
+    if batch == 1:
         limit = SPLIT_KV_MIN_CONTEXT
-        return limit is not None and g.kv_len >= max(limit, 2 * SPLIT_KV_CHUNK)
-    return SPLIT_KV_MIN_BATCH_TOKENS is not None and g.batch * g.kv_len >= SPLIT_KV_MIN_BATCH_TOKENS
+        return limit is not None and kv_len >= max(limit, 2 * SPLIT_KV_CHUNK)
+    return SPLIT_KV_MIN_BATCH_TOKENS is not None and batch * kv_len >= SPLIT_KV_MIN_BATCH_TOKENS
 
 
-def plan_split(g: AttentionGroup, seqs: list[SeqAttention], block_size: int) -> SplitPlan:
-    """Plan the split of group ``g`` (a folded, few-rows group); ``seqs`` are its sequences in batch order."""
-    if g.batch == 1:
+def plan_split(batch: int, kv_len: int, mask: torch.Tensor | None, kv_slots: torch.Tensor | None,
+               block_size: int) -> SplitPlan:
+    """Plan the split of a folded, few-rows attention group: ``batch`` sequences of ``kv_len`` positions, its
+    mask [batch, 1, rows, kv_len] (None = all visible) and, for a padded batch, its cache slots [batch*kv_len]."""
+    if batch == 1:
         c = SPLIT_KV_CHUNK
-        n, tail = divmod(g.kv_len, c)
+        n, tail = divmod(kv_len, c)
         plan = SplitPlan(batch=1, chunk=c, chunked_read=False, num_full=n, tail=tail)
-        if g.mask is not None:
-            rows = g.mask.shape[2]
-            full = g.mask[..., : n * c].reshape(rows, n, c).transpose(0, 1).reshape(n, 1, rows, c)
+        if mask is not None:
+            rows = mask.shape[2]
+            full = mask[..., : n * c].reshape(rows, n, c).transpose(0, 1).reshape(n, 1, rows, c)
             plan.mask_full = MaskPart(full.contiguous())
             if tail:
-                plan.mask_tail = MaskPart(g.mask[..., n * c :].contiguous())
+                plan.mask_tail = MaskPart(mask[..., n * c :].contiguous())
         return plan
+    if kv_slots is None:
+        raise ValueError("a split over a padded batch needs the group's cache slots")
     c = max(block_size, SPLIT_KV_BATCH_CHUNK // block_size * block_size)
-    plan = SplitPlan(batch=g.batch, chunk=c, chunked_read=True)
-    slots = g.kv_slots.view(g.batch, g.kv_len)
-    for c0 in range(0, g.kv_len, c):
-        n = min(c, g.kv_len - c0)
-        mask = None if g.mask is None else MaskPart(g.mask[..., c0 : c0 + n].contiguous())
-        plan.chunks.append(KVChunk(c0, n, slots[:, c0 : c0 + n].reshape(-1), mask))
+    plan = SplitPlan(batch=batch, chunk=c, chunked_read=True)
+    slots = kv_slots.view(batch, kv_len)
+    for c0 in range(0, kv_len, c):
+        n = min(c, kv_len - c0)
+        part = None if mask is None else MaskPart(mask[..., c0 : c0 + n].contiguous())
+        plan.chunks.append(KVChunk(c0, n, slots[:, c0 : c0 + n].reshape(-1), part))
     return plan
 
 

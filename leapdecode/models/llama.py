@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 1-3, SmolLM, Mistral without sliding window, Qwen2 with QKV bias).
+"""The decoder every supported family runs as (models/config.py): Llama 1-3 and SmolLM, Mistral with its sliding
+window, Qwen2 (QKV bias), Qwen3 (q/k norms), Phi-3, Gemma 3 (q/k norms, norms around each block, GeGLU, scaled
+embeddings, local and global layers with their own RoPE bases). The class keeps the Llama name because the layout
+is Llama's; ``ModelConfig`` switches the parts that differ.
 
 Plain PyTorch, device-agnostic, flat-batch (varlen) forward over the paged KV cache. Projections are fused
 (QKV in one matmul, gate+up in one) because a decode step on CPU is bound by weight reads and per-op overhead.
@@ -30,7 +33,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.weight.shard_dim, self.weight.shard_parts = None, None
-        self.use_kernel = False  # set by small_gemm.enable: one C++ call instead of torch's five ops
+        self.use_kernel = False  # set by kernel_plan.apply_plan: one C++ call instead of torch's five ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
@@ -39,14 +42,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         d = cfg.head_dim
         group = divide(cfg.num_attention_heads, cfg.num_key_value_heads, "num_attention_heads / KV heads")
         first_kv, self.num_kv_heads = kv_head_range(cfg.num_key_value_heads)  # whole KV heads per rank
         self.num_heads = self.num_kv_heads * group
         self.head_dim = d
-        self.scale = d**-0.5
+        self.scale = cfg.query_scale if cfg.query_scale is not None else d**-0.5
+        self.window = window  # sliding window of this layer (None: global)
+        if cfg.qk_norm:  # per head, before RoPE
+            self.q_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         q_range, kv_range = (first_kv * group * d, self.q_size), (first_kv * d, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(
@@ -55,7 +64,7 @@ class Attention(nn.Module):
             bias=cfg.attention_bias, ranges=[q_range, kv_range, kv_range],
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, in_range=q_range)
-        self.use_kernel = False  # set by small_gemm.enable: C++ RoPE and attention for few-token rows
+        self.use_kernel = False  # set by kernel_plan.apply_plan: C++ RoPE and attention for few-token rows
 
     def forward(
         self,
@@ -66,14 +75,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, nq, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].reshape(t, nq, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, d))
+            qkv = torch.cat([q, k], dim=1).view(t, -1)  # the rotated part, laid out as in the fused projection
         if self.use_kernel and qkv.dtype == torch.float32:  # the C++ RoPE in place, as in the fused layer
             small_gemm.rope_(qkv, rope[0].view(t, d), rope[1].view(t, d), nq + self.num_kv_heads)
             qk = qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, d)
         else:
             # q and k are adjacent in the fused projection: rotate them as one [T, heads + kv_heads, d] tensor
             qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, d), rope)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
-        o = paged_attention(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], meta, self.scale, self.use_kernel)
+        o = paged_attention(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], meta.for_window(self.window), self.scale,
+                            self.use_kernel)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -83,49 +97,76 @@ class MLP(nn.Module):
         self.inter = divide(cfg.intermediate_size, tp_size(), "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.use_kernel = False  # set by small_gemm.enable: SiLU-and-multiply in one C++ call
+        self.act = cfg.hidden_act  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+        self.use_kernel = False  # set by kernel_plan.apply_plan: the activation and the product in one C++ call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_kernel and gate_up.dtype == torch.float32 and not gate_up.requires_grad:
-            return self.down_proj(small_gemm.silu_mul(gate_up))
+            act = small_gemm.gelu_tanh_mul if self.act == "gelu_tanh" else small_gemm.silu_mul
+            return self.down_proj(act(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
+        if self.act == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm attention and MLP blocks. Llama's layout names the MLP's input norm ``post_attention_layernorm``;
+    with ``sandwich_norms`` (Gemma) that norm is applied to the attention's output instead, and the MLP block has
+    its own ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` (the checkpoints' names)."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.use_kernel = False  # set by small_gemm.enable when every part of the layer has its kernel
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the one-layer C++ call (decoder_layer) computes Llama's layout with SiLU; the stack (decoder_stack) also
+        # the normed layout: q/k norms, the norms around each block, GeGLU (float32 caches)
+        self.normed = cfg.sandwich_norms or cfg.qk_norm or cfg.hidden_act != "silu"
+        self.fusable = not self.normed
+        self.use_kernel = False  # set by kernel_plan.apply_plan when every part of the layer has its kernel
         self._fused_args: tuple | None = None  # the packed weights etc. for _fused, gathered on first use
 
     def forward(self, x, rope, kv, meta) -> torch.Tensor:
-        if self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32:
+        if self.fusable and self.use_kernel and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32:
             planes = fused_kv(kv)
-            if planes is not None and meta.all_kernel_rows():
-                return self._fused(x, rope, planes, meta)
+            seen = meta.for_window(self.self_attn.window)
+            if planes is not None and seen.all_kernel_rows():
+                return self._fused(x, rope, planes, seen)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused_args(self) -> tuple:
-        """(weights, qkv bias, heads, KV heads, eps, scale) for the C++ layer; gathered once (nn.Module attribute
-        lookups cost more than the call), so the packed weights must not change after ``small_gemm.enable``."""
+        """(weights, qkv bias, heads, KV heads, eps, scale, normed layout's 4 norms or None, windowed, GeGLU) for
+        the C++ layer; gathered once (nn.Module attribute lookups cost more than the call), so the packed weights
+        must not change after ``kernel_plan.apply_plan``. The weights' 4th is the MLP's input norm."""
         if self._fused_args is None:
             a, m = self.self_attn, self.mlp
-            w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed,
-                 self.post_attention_layernorm.weight, m.gate_up_proj.packed, m.down_proj.packed]
-            self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale)
+            mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+            w = [self.input_layernorm.weight, a.qkv_proj.packed, a.o_proj.packed, mlp_norm.weight,
+                 m.gate_up_proj.packed, m.down_proj.packed]
+            norms = None
+            if self.normed:
+                outs = [self.post_attention_layernorm, self.post_feedforward_layernorm] if self.sandwich else [None] * 2
+                norms = [None if n is None else n.weight for n in (a.q_norm, a.k_norm, *outs)]
+            self._fused_args = (w, a.qkv_proj.bias, a.num_heads, a.num_kv_heads, self.input_layernorm.eps, a.scale,
+                                norms, a.window is not None, m.act == "gelu_tanh")
         return self._fused_args
 
     def _fused(self, x, rope, planes: tuple[list[torch.Tensor], list[torch.Tensor]], meta) -> torch.Tensor:
-        """The same layer in one C++ call (kernels/decode_ops.cpp) for steps made only of few-token rows: the
+        """The same layer in one C++ call (kernels/decoder_stack.cpp) for steps made only of few-token rows: the
         same kernels as the per-op path, so bitwise the same result, without ~10 Python-level calls. ``planes``
-        is :func:`fused_kv` of the layer's cache."""
-        w, bias, heads, kv_heads, eps, scale = self.fused_args()
+        is :func:`fused_kv` of the layer's cache; ``meta`` the step as this layer's window sees it."""
+        w, bias, heads, kv_heads, eps, scale = self.fused_args()[:6]
         caches, transforms = planes
         t = x.shape[0]
         if transforms:  # int8 planes
@@ -161,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, tied_to=self.embed_tokens if cfg.tie_word_embeddings else None
@@ -169,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        # Gemma 3's windowed layers rotate with their own base (and without the global layers' scaling)
+        self.local_rope = None
+        if cfg.local_rope_theta is not None and (cfg.local_rope_theta != cfg.rope_theta or cfg.rope_scaling):
+            self.local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
         # per run of layers: its DecoderLayers and, once packed, their flattened C++ arguments (_layer_stack)
         self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], small_gemm.StackWeights | None]] = {}
 
@@ -186,18 +231,29 @@ class LlamaForCausalLM(nn.Module):
 
         Running a prefix of the layers is how self-speculation drafts with the target's own first layers.
         """
-        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        x = self.embed(input_ids) if hidden is None else hidden
         rope = self.rope.table(positions, x.dtype)
+        local = rope if self.local_rope is None else self.local_rope.table(positions, x.dtype)
         run = layers if layers is not None else range(len(self.layers))
         stack = self._layer_stack(x, kv_caches, meta, run)
         if stack is not None:  # every layer in one C++ call: the same routines as the loop below, same bits
             t = x.shape[0]
-            x = small_gemm.decoder_stack(x.contiguous(), stack, rope[0].view(t, -1), rope[1].view(t, -1),
-                                         meta.slot_mapping, meta.kernel_rows())  # fmt: skip
+            ropes = [rope[0].view(t, -1), rope[1].view(t, -1), local[0].view(t, -1), local[1].view(t, -1)]
+            global_rows = meta.kernel_rows() if not all(stack.weights.windowed) else ()
+            local_rows = meta.for_window(stack.window).kernel_rows() if stack.window is not None else ()
+            x = small_gemm.decoder_stack(x.contiguous(), stack, ropes, meta.slot_mapping,
+                                         [*(global_rows or local_rows), *(local_rows or global_rows)])
         else:
             for i in run:
-                x = self.layers[i](x, rope, kv_caches[i], meta)
+                layer = self.layers[i]
+                x = layer(x, rope if layer.self_attn.window is None else local, kv_caches[i], meta)
         return self.norm(x) if final_norm else x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (times the family's scale, Gemma's sqrt(hidden_size), rounded as HF rounds it)."""
+        x = self.embed_tokens(input_ids)
+        scale = self.config.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
 
     def _layer_stack(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
                      run: range) -> small_gemm.LayerStack | None:
@@ -206,23 +262,30 @@ class LlamaForCausalLM(nn.Module):
         split-KV rows, a layer without packed weights or with hooks, or a cache :func:`fused_kv` turns down.
         Weights are gathered once per run of layers; the caches are listed each step (cheap), so no cache outlives
         its engine through here."""
-        if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32
-                and meta.all_kernel_rows()):
+        if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32):
             return None
+        windows = {self.layers[i].self_attn.window for i in run}
+        if len(windows - {None}) > 1 or not all(meta.for_window(w).all_kernel_rows() for w in windows):
+            return None  # two slot lists serve the layers of the call: global, and one sliding window
         key = (run.start, run.stop)
         if key not in self._stack_weights:
             self._stack_weights[key] = [self.layers[i] for i in run], None
         layers, weights = self._stack_weights[key]
         if not all(layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
             return None  # (a layer with hooks must be called as a module, or its hooks would not run)
-        if weights is None:  # gathered once every layer has its packed weights (small_gemm.enable)
+        if weights is None:  # gathered once every layer has its packed weights (kernel_plan.apply_plan)
             weights = small_gemm.stack_weights([layer.fused_args() for layer in layers])
             self._stack_weights[key] = layers, weights
         planes = [fused_kv(kv_caches[i]) for i in run]
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
+        if weights.norms and planes[0][1]:  # type: ignore[index]
+            return None  # the normed layout runs over float32 caches only
         return small_gemm.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
-                                     [t for p in planes for t in p[1]])  # type: ignore[index]
+                                     [t for p in planes for t in p[1]],  # type: ignore[index]
+                                     next(iter(windows - {None}), None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -123,10 +123,30 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: q, k and v in one tensor, as HF stores them
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# where a family's layer differs from the table above
+_GGUF_FAMILY_NAMES = {
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},  # gate and up in one tensor, as HF stores them
+}
+# GGUF architecture -> HF architecture (a "llama" file with a sliding window is a Mistral)
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -136,23 +156,31 @@ def _gguf_field(reader: GGUFFile, key: str, default=None):
 
 
 def load_gguf_config(reader: GGUFFile) -> dict:
+    """An HF-style config dict from a GGUF file's metadata (llama.cpp's keys for each architecture)."""
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; leapdecode loads llama and qwen2 GGUF files")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; leapdecode loads {', '.join(GGUF_ARCHITECTURES)} "
+                         "GGUF files")
     p = f"{arch}."
     heads = _gguf_field(reader, p + "attention.head_count")
     hidden = _gguf_field(reader, p + "embedding_length")
     vocab = _gguf_field(reader, p + "vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     names = {t.name for t in reader.tensors}
+    head_dim = _gguf_field(reader, p + "attention.key_length") or _gguf_field(reader, p + "rope.dimension_count",
+                                                                             hidden // heads)
+    window = _gguf_field(reader, p + "attention.sliding_window")
+    hf_arch = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and window:
+        hf_arch = "MistralForCausalLM"
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [hf_arch],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": _gguf_field(reader, p + "feed_forward_length"),
         "num_hidden_layers": _gguf_field(reader, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _gguf_field(reader, p + "attention.head_count_kv", heads),
-        "head_dim": _gguf_field(reader, p + "rope.dimension_count", hidden // heads),
+        "head_dim": head_dim,
         "max_position_embeddings": _gguf_field(reader, p + "context_length", 2048),
         "rms_norm_eps": _gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": _gguf_field(reader, p + "rope.freq_base", 10000.0),
@@ -161,14 +189,40 @@ def load_gguf_config(reader: GGUFFile) -> dict:
         "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if window:
+        cfg["sliding_window"] = int(window)
+        cfg["use_sliding_window"] = True  # (Qwen's switch; a GGUF file's window holds for every layer)
+        cfg["max_window_layers"] = 0
+    _gguf_family_config(reader, arch, cfg)
     scaling_type = _gguf_field(reader, p + "rope.scaling.type")
-    if scaling_type and scaling_type != "none":
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # llama.cpp's form of Llama 3's RoPE scaling: each frequency divided by its factor
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": _float_array(freqs.type_name, reader.data(freqs), freqs.shape).tolist()}
+    elif scaling_type and scaling_type != "none":
         cfg["rope_scaling"] = {
             "rope_type": scaling_type,
             "factor": _gguf_field(reader, p + "rope.scaling.factor", 1.0),
             "original_max_position_embeddings": _gguf_field(reader, p + "rope.scaling.original_context_length"),
         }
     return cfg
+
+
+def _gguf_family_config(reader: GGUFFile, arch: str, cfg: dict) -> None:
+    """What llama.cpp fixes per architecture instead of storing it in the file."""
+    if arch == "gemma3":
+        # llama.cpp: every 6th layer global, the others windowed with RoPE base 10,000; scores scaled by
+        # head_dim ** -0.5 (hidden / heads for the 27B model, whose head_dim differs)
+        cfg["sliding_window_pattern"] = 6
+        cfg["rope_local_base_freq"] = 10000.0
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+        if cfg["num_hidden_layers"] == 62:  # 27B
+            cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch == "phi3":
+        names = {t.name for t in reader.tensors}
+        if "rope_factors_long.weight" in names or _gguf_field(reader, "phi3.rope.scaling.attn_factor"):
+            raise ValueError("this Phi-3 GGUF uses long-context RoPE factors (LongRoPE), which leapdecode does not "
+                             "support")
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -211,28 +265,29 @@ def check_gguf_tensors(reader: GGUFFile, path: Path) -> None:
                              "file is corrupt")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-    return None  # e.g. rope_freqs: recomputed from the config
+        family = _GGUF_FAMILY_NAMES.get(arch, {})
+        if rest in family or rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{family.get(rest) or _GGUF_LAYER_NAMES[rest]}"
+    return None  # rope_freqs: read into the config (load_gguf_config)
 
 
 def iter_gguf_tensors(reader: GGUFFile, cfg: dict, desc: str,
                       keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
     """HF-named tensors of a GGUF file: float tensors, or (``keep_blocks``) the raw blocks of every quantized
     2-D weight the kernels compute from (RawBlocks), consumed before the next one is read."""
-    arch_llama = cfg["architectures"][0] == "LlamaForCausalLM"
+    arch = _gguf_field(reader, "general.architecture")
+    arch_llama = arch == "llama"  # llama.cpp permutes Q/K for its "llama" architecture only
     for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False,
-                      disable=tp_rank() > 0):  # one bar, rank 0's
-        name = _hf_name(t.name)
+                  disable=tp_rank() > 0):  # one bar, rank 0's
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         kind, shape = t.type_name, t.shape
-        # llama.cpp permutes Q/K rows for Llama (not for Qwen2, whose converter keeps HF's layout)
         heads = None
         if arch_llama and (name.endswith("q_proj.weight") or name.endswith("q_proj.bias")):
             heads = cfg["num_attention_heads"]
@@ -268,9 +323,11 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     are dequantised to ``dtype`` (CUDA, bfloat16, ``linear_kernel="torch"``)."""
     if keep_blocks is None:
         keep_blocks = torch.device(device).type == "cpu" and dtype == torch.float32 and load_kernel() is not None
+    norm_offset = 0.0
     if path.is_dir():
         hf_cfg = load_hf_config(path)
         tensors = iter_hf_tensors(path)
+        norm_offset = ModelConfig.from_hf(hf_cfg).norm_offset  # (llama.cpp's converter adds it to GGUF norms)
     else:
         reader = GGUFFile(path)
         check_gguf_tensors(reader, path)
@@ -280,7 +337,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     with torch.device("meta"):  # parameters are materialised one by one as the checkpoint fills them
         model = LlamaForCausalLM(cfg)
     model.rope = model.rope.to(device)  # its tables are computed on the CPU even inside the meta context
-    load_weights(model, tensors, dtype, device)
+    load_weights(model, tensors, dtype, device, norm_offset)
     return model.eval(), cfg
 
 
@@ -336,8 +393,9 @@ def kept_weight_bytes(path: Path) -> int:
     reader = GGUFFile(path)
     check_gguf_tensors(reader, path)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    arch = _gguf_field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         fused = _fused_key(name.removeprefix("model."))
@@ -352,9 +410,10 @@ def kept_weight_bytes(path: Path) -> int:
 
 
 def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]], dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", norm_offset: float = 0.0) -> None:
     """Fill the fused, shard-aware parameters of ``model`` (built on the meta device) from HF-named tensors;
-    raw GGUF blocks become kernel records in place of a float weight."""
+    raw GGUF blocks become kernel records in place of a float weight. ``norm_offset`` is added to every RMSNorm
+    weight (Gemma's checkpoints store w for a norm that scales by 1 + w)."""
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor | RawBlocks]] = {}
     loaded: set[str] = set()
@@ -392,6 +451,8 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]],
             continue
         fused = _fused_key(name)
         if fused is None:
+            if norm_offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+                tensor = tensor.float() + norm_offset  # (in float32, as HF computes 1 + w)
             put(name, _combine([tensor]) if isinstance(tensor, RawBlocks) else tensor)
             continue
         key, idx, n = fused

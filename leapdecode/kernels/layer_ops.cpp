@@ -1,0 +1,122 @@
+// The small per-row operations of a decode step, for CPU float32: RMSNorm, RoPE, SiLU-and-multiply. At one token
+// per step each of these does a few thousand flops, and what torch charges per call (dispatch, allocation, OpenMP
+// fork for RMSNorm's five ops) is 10-70 us; a step has ~60 norms, which was a large share of a batch-1 step once the
+// projections read Q4 blocks (see kernels/small_gemm.cpp). Row results never depend on the other rows of the call.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+#include "vec_math.h"
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  w.is_contiguous(),
+              "rms_norm: contiguous float32 tensors");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(w.numel() == d, "rms_norm: weight size");
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * d;
+      float* yr = yp + r * d;
+      const float inv = float(1.0 / std::sqrt(double(dot(xr, xr, d)) / d + eps));
+      for (int64_t i = 0; i < d; ++i) yr[i] = (xr[i] * inv) * wp[i];
+    }
+  };
+  if (rows >= 64) at::parallel_for(0, rows, 16, body);  // a prefill chunk
+  else body(0, rows);  // a decode step: threads would cost more than the work
+  return y;
+}
+
+// RoPE in place: each of the first num_heads heads (d wide) of every row of qkv [T, W] becomes
+// x * cos + roll(x, d/2) * sin_signed, with cos / sin_signed [T, d] (the sign of the rotate-half folded into sin).
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "rope_: qkv");
+  const int64_t T = qkv.size(0), W = qkv.size(1), d = cos.size(-1), half = d / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == T * d &&
+                  sin_signed.numel() == T * d && num_heads * d <= W && d % 2 == 0,
+              "rope_: tables must be contiguous [T, d]");
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin_signed.data_ptr<float>();
+  std::vector<float> tmp(d);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* x = xp + t * W + h * d;
+      const float* c = cp + t * d;
+      const float* s = sp + t * d;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = x[i];
+      for (int64_t i = 0; i < d; ++i) x[i] = tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i];
+    }
+}
+
+// silu(gate) * up for gate_up [T, 2I] -> [T, I]; silu(g) = g / (1 + e^-g)
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: contiguous float32 [T, 2I]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gp + t * 2 * I;
+    const float* u = g + I;
+    float* o = op + t * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      v16f gv, uv;
+      __builtin_memcpy(&gv, g + i, 64);
+      __builtin_memcpy(&uv, u + i, 64);
+      v16f r = gv / (1.0f + exp16(v16f{} - gv)) * uv;
+      __builtin_memcpy(o + i, &r, 64);
+    }
+    for (; i < I; ++i) {  // same formula lane by lane (exp16 on a broadcast) so no row depends on its width
+      v16f e = exp16(v16f{} - g[i]);
+      o[i] = g[i] / (1.0f + e[0]) * u[i];
+    }
+  }
+  return out;
+}
+
+// gelu(gate) * up for gate_up [T, 2I] -> [T, I], GELU in its tanh form: g / 2 (1 + tanh(c (g + 0.044715 g^3))),
+// c = sqrt(2 / pi), with tanh(y) = 1 - 2 / (1 + e^2y) (exp16 saturates, so |y| large gives +-1)
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
+                  gate_up.size(1) % 2 == 0,
+              "gelu_tanh_mul: contiguous float32 [T, 2I]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float c = 0.7978845608028654f, a = 0.044715f;
+  auto gelu16 = [&](v16f g) {
+    const v16f y = c * (g + a * g * g * g);
+    return 0.5f * g * (2.0f - 2.0f / (1.0f + exp16(2.0f * y)));
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gp + t * 2 * I;
+    const float* u = g + I;
+    float* o = op + t * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      v16f gv, uv;
+      __builtin_memcpy(&gv, g + i, 64);
+      __builtin_memcpy(&uv, u + i, 64);
+      v16f r = gelu16(gv) * uv;
+      __builtin_memcpy(o + i, &r, 64);
+    }
+    for (; i < I; ++i) {  // same formula lane by lane so no row depends on its width
+      v16f r = gelu16(v16f{} + g[i]);
+      o[i] = r[0] * u[i];
+    }
+  }
+  return out;
+}

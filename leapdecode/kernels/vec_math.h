@@ -1,0 +1,93 @@
+// The float32 vector helpers the decode-step sources share (layer_ops.cpp, attention_rows.cpp, int8_kv.cpp): fixed
+// summation orders, so a result never depends on which source or which caller computed it. Without -ffast-math the
+// compiler keeps these orders; explicit vector types make it vectorise them anyway.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+// the 16 lanes summed pairwise (a log-depth tree: a serial loop over lanes cost more than the products). The
+// AVX-512 version is the same tree in registers: taking the vector's address made GCC keep a dot product's
+// accumulator in memory across iterations (a store-to-load chain per 16 products)
+static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+  const __m512 x = (__m512)v;
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // (c0 + c2, c1 + c3, ...)
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 0x55)));
+#else
+  v8f a, b;
+  __builtin_memcpy(&a, &v, 32);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + 32, 32);
+  a += b;
+  v4f c, d;
+  __builtin_memcpy(&c, &a, 16);
+  __builtin_memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+#endif
+}
+
+// q . k over d floats in a fixed order (16 lanes, then the lanes summed): vectorised without -ffast-math
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  int64_t i = 0;
+  float tail = 0.f;
+  if (d >= 16) {
+    v16f acc = v16f{};
+    for (; i + 16 <= d; i += 16) {
+      v16f x, y;
+      __builtin_memcpy(&x, a + i, 64);
+      __builtin_memcpy(&y, b + i, 64);
+      acc += x * y;
+    }
+    tail = hsum(acc);
+  }
+  for (; i < d; ++i) tail += a[i] * b[i];
+  return tail;
+}
+
+// y += a * x over d floats (explicit vectors: the compiler cannot rule out aliasing of y and x)
+static inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t d) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    v16f xv, yv;
+    __builtin_memcpy(&xv, x + i, 64);
+    __builtin_memcpy(&yv, y + i, 64);
+    yv += xv * a;
+    __builtin_memcpy(y + i, &yv, 64);
+  }
+  for (; i < d; ++i) y[i] += a * x[i];
+}
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// e^x for 16 floats (Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial; ~1 ulp), since
+// scalar std::exp was most of a decode attention's time. Inputs here are scores minus their max (<= 0).
+static inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 87.3f, hi = v16f{} + 88.3f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16f t = x * 1.44269504088896341f + 0.5f;
+  v16f fx = __builtin_convertvector(__builtin_convertvector(t, v16i), v16f);
+  fx = fx + __builtin_convertvector(fx > t, v16f);  // truncation -> floor (the mask is -1 where fx > t)
+  x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
+  v16f y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
+            1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  v16i e = (__builtin_convertvector(fx, v16i) + 127) << 23;
+  return y * (v16f)e;
+}
+
+// z[0 .. D) = y @ R (R row-major [D, D]): rows of R weighted by y and summed in i order; the int8 KV write and
+// rotate_rows share it, so keys and queries change basis with the same rounding
+static inline void row_times(const float* y, const float* R, float* z, int64_t D) {
+  for (int64_t e = 0; e < D; ++e) z[e] = 0.f;
+  for (int64_t i = 0; i < D; ++i) axpy(y[i], R + i * D, z, D);
+}
+
