@@ -20,6 +20,7 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.layers import small_gemm, split_kv
+from leapdecode.models import kernel_plan
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.loader import load_model
 
@@ -58,7 +59,7 @@ def _ours(source: Path, kernels: bool, schedule: list[list[int]], tokens: list[i
     if kernels:
         if small_gemm.load_kernel() is None:
             pytest.skip("no C++ toolchain to build the kernels")
-        assert small_gemm.enable(model) > 0
+        assert kernel_plan.use_kernels(model) > 0
     kv = KVCache(cfg, 64, 4, torch.float32, torch.device("cpu"))
     bm = BlockManager(64, 4, enable_prefix_caching=False)
     return _run_schedule(ModelRunner(model, kv, 4, torch.device("cpu")), bm, [tokens], schedule)[0]
@@ -122,7 +123,7 @@ def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str)
     logits = []
     for keep in (True, False):
         model, cfg = load_model(path, keep_blocks=keep)
-        assert small_gemm.enable(model) > 0
+        assert kernel_plan.use_kernels(model) > 0
         assert (model.layers[0].self_attn.qkv_proj.quant is not None) == keep
         kv = KVCache(cfg, 64, 4, torch.float32, torch.device("cpu"))
         runner = ModelRunner(model, kv, 4, torch.device("cpu"))
@@ -138,7 +139,7 @@ def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monke
     if small_gemm.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     model, cfg = load_model(family_dirs[family], keep_blocks=False)
-    assert small_gemm.enable(model) > 0
+    assert kernel_plan.use_kernels(model) > 0
     calls: list[int] = []
     real = small_gemm.decoder_stack
     monkeypatch.setattr(small_gemm, "decoder_stack", lambda *args: calls.append(1) or real(*args))
