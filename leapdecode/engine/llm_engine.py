@@ -202,8 +202,6 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if self.executor is not None:
-            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
         seqs: list[Sequence] = []
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}{SEQ_ID_SEP}{i}"
@@ -214,6 +212,8 @@ class LLMEngine:
                 seq.prefix_leader = seqs[0]  # share the prompt's blocks through the prefix cache
             seq.group = seqs
             seqs.append(seq)
+        if self.executor is not None:  # only a request rank 0 accepted (a grammar that does not compile raises above)
+            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
