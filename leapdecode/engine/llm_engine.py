@@ -244,7 +244,9 @@ class LLMEngine:
         parallelism the workers step with it; a dead worker raises ``executor.WorkerDiedError``."""
         ex = self.executor
         if ex is None:
-            with self.scope():
+            if not self.solo:  # the usual case: nothing around the step
+                return self._step()
+            with parallel.solo():
                 return self._step()
         ex.start_step()
         try:
