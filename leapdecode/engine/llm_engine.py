@@ -103,10 +103,10 @@ class LLMEngine:
                 model, mcfg, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
                 config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens, config.kv_device_layers,
             )
-        else:
+        else:  # the ranks of a CPU group share this machine's memory: each takes its part of the fraction
             num_blocks = KVCache.auto_num_blocks(
                 mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
-                config.kv_cache_memory_fraction, config.kv_device_layers,
+                config.kv_cache_memory_fraction / parallel.group_size(), config.kv_device_layers,
             )
         num_blocks = parallel.min_over_ranks(num_blocks)  # every rank's scheduler plans over the same blocks
         use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers)
