@@ -265,10 +265,17 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError("set_speculative_config needs an idle engine: finish or abort the running requests")
         cfg = SpeculativeConfig.from_dict(cfg)
-        if self.executor is not None:
-            self.executor.apply_now(("speculative", cfg))
-        with self.scope():
+        ex = self.executor
+        if ex is None:
+            with self.scope():
+                self._set_speculator(cfg)
+            return
+        ex.apply_now(("speculative", cfg))
+        try:
             self._set_speculator(cfg)
+        except BaseException as e:  # the workers may be waiting in a collective rank 0 will not enter
+            ex.fail(f"rank 0 could not switch speculative decoding ({type(e).__name__}: {e})")
+            raise
 
     def _set_speculator(self, cfg: SpeculativeConfig | None) -> None:
         if self.speculator is not None:
