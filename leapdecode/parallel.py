@@ -138,6 +138,14 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def rank_path(path: str | None) -> str | None:
+    """A file of this rank's own (``path.rank1``) where a one-process engine would use ``path``: the ranks of a
+    group hold different data (their KV heads) and must not share a file."""
+    if path is None or group_size() == 1:
+        return path
+    return f"{path}.rank{dist.get_rank()}"
+
+
 def shard_range(units: int, unit_size: int = 1) -> tuple[int, int]:
     """(start, length) in elements of this rank's share of ``units`` units of ``unit_size`` elements: as even as
     the units allow, the first ranks taking one unit more when they do not divide (3 KV heads over 2 ranks: 2 and
