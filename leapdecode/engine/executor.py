@@ -196,8 +196,11 @@ class Executor:
         try:
             for conn in self.conns:
                 conn.send(msg)
-        except (BrokenPipeError, EOFError, OSError) as e:
+        except (EOFError, OSError) as e:
             raise self.error(e) from e
+        except BaseException as e:  # Ctrl-C, a message that does not pickle: some workers may have it, others not
+            self.fail(f"rank 0 could not send the step order ({type(e).__name__}: {e})")
+            raise
 
     def finish_step(self, outputs: list[RequestOutput]) -> None:
         self.last_digest = step_digest(outputs)
