@@ -153,7 +153,7 @@ class Executor:
 
     def error(self, cause: BaseException | None = None) -> WorkerDiedError:
         """The error to raise: the recorded failure, or ``cause`` (a collective that failed) explained."""
-        if self.failure is None and cause is not None:
+        if self.failure is None and cause is not None and not self.closed:  # (closed: the watchdog no longer reports)
             self._failed.wait(timeout=3.0)  # a collective failed before the watchdog saw the exit: give it a moment
         if self.failure is None:
             self.fail(f"tensor-parallel group failed: {cause}")
