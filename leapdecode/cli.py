@@ -7,6 +7,7 @@ import json
 import sys
 
 from leapdecode.cli_args import EPILOG, add_model_args
+from leapdecode.outputs import RequestMetrics
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -65,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def explain_metrics(m) -> str:
+def explain_metrics(m: RequestMetrics) -> str:
     """What ``--explain`` prints for one request: the route ``auto`` took and the steps each method drafted."""
     steps = ", ".join(f"{k}: {v}" for k, v in sorted(m.draft_methods.items())) or "none"
     return (f"[route: {m.route or 'not auto (one method)'}]\n[steps drafted by method: {steps}; domain switches: "

@@ -16,6 +16,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import KIND_OF_TYPE
+from leapdecode.models import kernel_plan
 from leapdecode.models.loader import kept_weight_bytes, load_model
 
 from .test_block_formats import random_blocks
@@ -103,7 +104,7 @@ def test_blocks_kept_compute_bitwise_the_dequantised_model(tmp_path, mix):
     assert kept_weight_bytes(path) == held + 4 * sum(p.numel() for p in kept.parameters())  # what `plan` counts
     quantized = mix != "floats"
     assert any(getattr(m, "quant", None) is not None for m in kept.modules()) == quantized
-    assert small_gemm.enable(kept) > 0 and small_gemm.enable(ref) > 0
+    assert kernel_plan.use_kernels(kept) > 0 and kernel_plan.use_kernels(ref) > 0
     formats = small_gemm.packed_formats(kept)
     assert ("float32" not in formats) == quantized, formats
     tokens = _tokens(26, seed=3)

@@ -10,6 +10,7 @@ import torch
 from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import QuantizedWeight
+from leapdecode.models import kernel_plan
 
 from .conftest import SPEC_PROMPTS
 
@@ -65,7 +66,7 @@ def _int8_tiny_llm(make_tiny_model, **kwargs) -> LLM:
             bq = _quantize("Q4_1", mod.weight.detach().numpy())
             mod.weight.data.copy_(bq.dequantize())
             mod.block_quantized = bq
-    assert small_gemm.enable(model, int8_activations=True) > 0
+    assert kernel_plan.use_kernels(model, int8_activations=True) > 0
     assert set(small_gemm.packed_formats(model)) <= {"q4-int8act", "float32"}
     assert getattr(model, "int8_activations", False)
     return llm

@@ -21,6 +21,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers import small_gemm
+from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model
 from leapdecode.sampling_params import SamplingParams
 from tests.conftest import TINY_DEFAULTS
@@ -112,7 +113,7 @@ def model_pair(tmp_path_factory) -> Callable[[str], Pair]:
                 pytest.skip("no C++ toolchain to build the kernels")
             base = cache[name, False]
             ours, _ = load_model(base.path)
-            assert small_gemm.enable(ours) > 0
+            assert kernel_plan.use_kernels(ours) > 0
             cache[name, True] = Pair(base.path, ours, base.hf)
         return cache[name, kernels]
 

@@ -4,6 +4,9 @@ hardware in every header, and the scored code set's checker."""
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from leapdecode.bench.scored import passes
 from leapdecode.cli import main
@@ -43,3 +46,32 @@ def test_code_checker_runs_the_tests():
     assert passes("def f():\n    return 1\n\nassert f() == 1\n")
     assert not passes("def f():\n    return 2\n\nassert f() == 1\n")
     assert not passes("def f(:\n")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method-config", "{}"], "--report does not take --method-config"),
+    (["--raw", "--out", "x"], "--report does not take --raw, --out"),
+    (["--batches", "1,x"], "--batches must be a comma list of integers"),
+    (["--contexts", "0"], "--contexts must list integers >= 1"),
+    (["--methods", "ngram,nope"], r"unknown methods \['nope'\]"),
+    (["--code-tasks", "2", "--code-file", "missing.jsonl"], "--code-tasks needs a HumanEval-style jsonl"),
+    (["--num-prompts", "0"], "--num-prompts >= 1"),
+])
+def test_report_refuses_bad_input_before_running(argv, message, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["bench", "--report", str(out), *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()  # nothing loaded, nothing written
+
+
+def test_report_options_need_report_and_a_folder(tiny_model_dir, tmp_path, capsys):
+    assert main(["bench", "--batches", "1,8"]) == 2
+    assert "--batches goes with --report DIR" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["bench", "--report", str(afile)]) == 2
+    assert "a file is there" in capsys.readouterr().err
+    # a context the model cannot hold: refused once the model is loaded, before any run
+    assert main(["bench", "--report", str(tmp_path / "r"), "--model", str(tiny_model_dir), "--contexts",
+                 "16,1000000"]) == 2
+    assert "--contexts 16,1000000: the model's context is" in capsys.readouterr().err

@@ -3,6 +3,8 @@ pick, per-task acceptance, the copy detector, typed constraints, and the route a
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from leapdecode import LLM, SamplingParams
@@ -11,7 +13,7 @@ from leapdecode.cli import main
 from leapdecode.config import SpeculativeConfig
 from leapdecode.outputs import RequestMetrics
 from leapdecode.speculative.options import AutoOptions
-from leapdecode.speculative.policy import StepCostModel, group_by_acceptance
+from leapdecode.speculative.policy import StepCostModel, expected_tokens, group_by_acceptance
 from leapdecode.speculative.router import (
     MIN_TASK_DRAFTS,
     DomainDetector,
@@ -66,6 +68,10 @@ def test_tree_branches_for_given_constraints():
     assert r.candidates == ("blockwise",) and r.branch[-1] == "block-parallel decoding"
     r = plan_route("chat", AutoOptions(lossless=False, latency_slo_ms=5), ALL)
     assert r.candidates == ("blockwise",) and "non-autoregressive" in r.branch[-1]
+    # lossy allowed but the target must stay untouched: blockwise heads read its hidden states, so prompt lookup
+    # and the draft model, and the route says why
+    r = plan_route("chat", AutoOptions(lossless=False, minimal_change=True), ALL)
+    assert r.candidates == ("draft_model", "ngram") and "minimal change rules out blockwise" in r.departures[0]
     # lossy without blockwise heads: the lossless branch, and the route says why
     r = plan_route("chat", AutoOptions(lossless=False), [f for f in ALL if f.name != "blockwise"])
     assert r.candidates[0] == "medusa" and "no blockwise heads" in r.departures[0]
@@ -200,6 +206,33 @@ def test_grouping_keeps_a_low_acceptance_sequence_from_lengthening_the_step():
     assert group_by_acceptance(wants, cost, 2) == [0, 6]
     # fixed sizes (trees, kept tails) are taken as asked and count toward the step first
     assert group_by_acceptance([(None, 6, free), (0.5, 6, free)], cost, 2) == [6, 0]
+
+
+def _modelled_rate(cost: StepCostModel, alphas: list[float], sizes: list[int]) -> float:
+    return sum(expected_tokens(a, g) for a, g in zip(alphas, sizes)) / cost(len(sizes) + sum(sizes))
+
+
+def test_grouped_sizing_costs_nothing_without_a_cost_edge_and_pays_at_one():
+    """On by default, so under the cost model's own estimate it must not lose to sizing alone where the step cost
+    has no edge (flat, linear), and must gain where it jumps; random batches of 2-24 with mixed acceptance."""
+    rng = random.Random(0)
+    free = lambda g: 0.0  # noqa: E731
+    curves = {"flat": StepCostModel([(1, 1.0), (65, 1.1)]), "linear": StepCostModel([(1, 1.0), (65, 10.6)]),
+              "edge": StepCostModel([(1, 1.0), (16, 1.1), (17, 2.0), (65, 4.0)])}
+    for name, cost in curves.items():
+        ratios = []
+        for _ in range(150):
+            batch = rng.choice([2, 4, 8, 16, 24])
+            alphas = [rng.uniform(0.1, 0.95) for _ in range(batch)]
+            alone = [cost.best_gamma(a, 6, batch, batch) for a in alphas]  # what _plan_group hands the rule
+            grouped = group_by_acceptance([(a, k, free) for a, k in zip(alphas, alone)], cost, batch)
+            assert all(g <= k for g, k in zip(grouped, alone))  # grouping only ever shortens a chain
+            ratios.append(_modelled_rate(cost, alphas, grouped) / _modelled_rate(cost, alphas, alone))
+        mean = sum(ratios) / len(ratios)
+        if name == "edge":
+            assert mean > 1.1, mean
+        else:
+            assert mean > 0.99 and min(ratios) > 0.97, (name, mean, min(ratios))
 
 
 def test_grouped_sizing_is_lossless_at_batch(tiny_model_dir, plain_tiny):

@@ -11,6 +11,7 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import RECORD_BYTES, QuantizedWeight
 from leapdecode.layers.linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
+from leapdecode.models import kernel_plan
 
 ext = small_gemm.load_kernel()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
@@ -64,7 +65,7 @@ def test_gguf_blocks_rebuild_the_dequantised_weights_exactly(fmt: str) -> None:
 
 @needs_kernel
 def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
-    """Drafters quantize their float weights to Q8_0 (enable_int8_drafting): the blocks are byte for byte those
+    """Drafters quantize their float weights to Q8_0 (use_int8_drafting): the blocks are byte for byte those
     of gguf's reference quantizer, zero blocks included."""
     from gguf import GGMLQuantizationType, quants
 
@@ -97,11 +98,11 @@ def test_a_layer_kept_in_blocks_has_no_float_weight_and_serves_every_row_count()
     kept = ColumnParallelLinear(64, [32])
     kept.set_quantized(qw)
     assert kept.weight is None and not list(kept.parameters())  # no float copy
-    assert small_gemm.enable(kept) == 1 and small_gemm.packed_formats(kept) == {"q4h": 1}
+    assert kernel_plan.use_kernels(kept) == 1 and small_gemm.packed_formats(kept) == {"q4h": 1}
     assert kept.packed is qw.records  # the records themselves, not a copy
     opted_out = ColumnParallelLinear(64, [32])
     opted_out.set_quantized(qw)
-    small_gemm.enable(opted_out, use_blocks=False)
+    kernel_plan.use_kernels(opted_out, use_blocks=False)
     assert small_gemm.packed_formats(opted_out) == {"float32": 1}
     x = torch.randn(3, 64)
     assert torch.equal(kept(x), opted_out(x))
@@ -111,7 +112,7 @@ def test_a_layer_kept_in_blocks_has_no_float_weight_and_serves_every_row_count()
     torch.testing.assert_close(kept(big), F.linear(big, ref), rtol=1e-5, atol=1e-5)
     float_layer = ColumnParallelLinear(64, [32])
     float_layer.weight.data.copy_(ref)
-    small_gemm.enable(float_layer)
+    kernel_plan.use_kernels(float_layer)
     assert torch.equal(float_layer(big), F.linear(big, ref))  # float weights: torch's GEMM for many rows
 
 
@@ -121,7 +122,7 @@ def test_a_tied_lm_head_keeps_its_blocks_for_drafter_read_outs() -> None:
     embed = VocabParallelEmbedding(64, 96)
     embed.set_quantized(qw)
     head = ParallelLMHead(64, 96, tied_to=embed)
-    small_gemm.enable(head)
+    kernel_plan.use_kernels(head)
     assert small_gemm.packed_formats(head) == {"q8": 1} and embed.quant is qw
     ids = torch.tensor([[3, 60], [7, 0]])
     assert torch.equal(embed(ids), ref[ids])  # the lookup rebuilds just those rows

@@ -22,12 +22,18 @@ from tqdm.auto import tqdm
 
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weight_bytes_per_step
-from leapdecode.bench.methods import METHOD_DEFAULTS
+from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.prompts import load_prompt_set
-from leapdecode.bench.report import add_report_args, cmd_report
+from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
+from leapdecode.bench.report_plots import pyplot
 from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.cli_args import add_tensor_parallel_arg
+from leapdecode.eval.kv_agreement import identical_prefix
+from leapdecode.eval.perplexity import completion_nll
 from leapdecode.layers.small_gemm import packed_formats
+from leapdecode.llm import LLM
+from leapdecode.sampling_params import SamplingParams
+from leapdecode.speculative.policy import StepCostModel, scratch_step
 from leapdecode.threads import THREADS_HELP
 
 BATCHED_ROUNDS = 3  # batched rows: the median of this many runs per engine, interleaved like batch-1 requests
@@ -98,8 +104,6 @@ CEILING_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65)  # verified rows per step a
 def target_step_costs(llm, context: int, repeats: int = 9):
     """The target's step time by verified rows at ``context`` cached tokens, measured as the engine's own cost
     model measures it (``StepCostModel``: median of ``repeats``, made non-decreasing, piecewise linear)."""
-    from leapdecode.speculative.policy import StepCostModel, scratch_step
-
     eng, bm = llm.engine, llm.engine.block_manager
     torch.set_num_threads(eng.num_threads)  # every granted thread, whatever a tuner last left (scratch steps bypass it)
     # only sizes whose scratch sequence fits the idle pool: scratch_step skips the others, which would time nothing
@@ -122,8 +126,6 @@ def add_ceiling(rows: list[Row], costs) -> None:
 
 def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
     """Two requests that share a long prefix: the second reuses the cached blocks and its TTFT drops."""
-    from leapdecode import SamplingParams
-
     tok = llm.get_tokenizer()
     shared = [t for ids in prefix_ids for t in ids][: llm.engine.max_model_len // 2]
     params = SamplingParams(temperature=0.0, max_tokens=8)
@@ -141,9 +143,6 @@ def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
     """Fill the drift columns of every leapdecode row against plain greedy decoding at the same batch size:
     identical-prefix agreement, the share of top-choice tokens (1 - lossy tokens / output tokens) and the
     target's perplexity of the produced text (``eval.perplexity.completion_nll``)."""
-    from leapdecode.eval.kv_agreement import identical_prefix
-    from leapdecode.eval.perplexity import completion_nll
-
     ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}
     for r in rows:
         base = ref.get(r.batch)
@@ -192,11 +191,7 @@ def format_table(rows: list[Row]) -> str:
 def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, list[tuple[int, float]]]) -> None:
     """A PNG beside the tables: batch-1 tok/s per system (and kernel), and with --ceiling each step-cost curve
     relative to its own 1-row step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ones = [r for r in rows if r.batch == 1]
     fig, axes = plt.subplots(1, 2 if step_costs else 1, figsize=(11 if step_costs else 6, 3.8), squeeze=False)
     ax = axes[0][0]
@@ -221,8 +216,9 @@ def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, li
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from leapdecode import LLM, SamplingParams
-
+    check_report_args(args)
+    if args.plot:
+        pyplot()  # a missing matplotlib fails before the runs, not after them
     if args.report:
         return cmd_report(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -417,7 +413,8 @@ def add_cli(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     p.add_argument("--methods", default="none",
-                   help=f"comma list of: {', '.join(METHOD_DEFAULTS)}, or labels configured by --method-config")
+                   help=f"comma list of: {', '.join(METHOD_DEFAULTS)}, or labels configured by --method-config; with "
+                   f"--report every method when left out, and also the lossy {', '.join(LOSSY_DEFAULTS)}")
     p.add_argument("--method-config", default=None,
                    help='JSON of per-method overrides, e.g. \'{"draft_model": {"model": "path"}}\'; a label that '
                    'is not a method needs a "method" key, e.g. \'{"bw4topk": {"method": "blockwise", '

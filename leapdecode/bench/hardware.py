@@ -12,6 +12,7 @@ import torch
 
 
 def machine_info() -> str:
+    """The hardware line every table and plot carries: CPU model and cores, torch and its threads, Python, GPU."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -38,7 +39,7 @@ def measure_bandwidth_gbps(device: torch.device, mb: int = 512) -> float:
     return x.numel() * 4 / statistics.median(ts) / 1e9
 
 
-def weight_bytes_per_step(model) -> int:
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every matrix once (a tied embedding is read by the LM head), in the
     form its kernel reads it (float32 panels or the checkpoint's blocks, layers/block_formats.py)."""
     seen, total = set(), 0

@@ -196,6 +196,39 @@ def quality_table(rows: list[QualityRow], hw: str, code_note: str) -> list[str]:
     return lines
 
 
+DEFAULT_BATCHES = "1,8"
+DEFAULT_CONTEXTS = "128,512,1024"
+# the ordinary benchmark's options that the report does not read, and the report's own: each refused without the other
+NOT_WITH_REPORT = {"method_config": "--method-config", "compare": "--compare", "drift": "--drift",
+                   "no_batched": "--no-batched", "raw": "--raw", "max_prompt_tokens": "--max-prompt-tokens",
+                   "prefix_reuse": "--prefix-reuse", "ceiling": "--ceiling", "out": "--out", "explain": "--explain",
+                   "plot": "--plot"}
+REPORT_ONLY = {"batches": "--batches", "contexts": "--contexts", "code_tasks": "--code-tasks",
+               "code_file": "--code-file"}
+
+
+def check_report_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, report options without ``--report`` and benchmark options the report would
+    silently ignore, a ``--report`` path that is a file, and counts the report cannot use."""
+    if not args.report:
+        given = [flag for dest, flag in REPORT_ONLY.items() if getattr(args, dest)]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --report DIR")
+        return
+    ignored = [flag for dest, flag in NOT_WITH_REPORT.items() if getattr(args, dest)]
+    if args.linear_kernels != "auto":
+        ignored.append("--linear-kernels")
+    if ignored:
+        raise ValueError(f"--report does not take {', '.join(ignored)} (the report runs every method's default "
+                         "configuration on chat-templated prompts; see leapdecode bench --help)")
+    if Path(args.report).exists() and not Path(args.report).is_dir():
+        raise ValueError(f"--report {args.report}: a file is there; give a folder (created if missing)")
+    if args.num_prompts < 1 or args.max_tokens < 2 or args.code_tasks < 0:
+        raise ValueError(f"--report needs --num-prompts >= 1 and --max-tokens >= 2 (time per token is measured after "
+                         f"the first), and --code-tasks >= 0; got {args.num_prompts}, {args.max_tokens}, "
+                         f"{args.code_tasks}")
+
+
 def _parse_ints(text: str, what: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -218,14 +251,21 @@ def report_methods(arg: str) -> list[str]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Run every method, fill both tables and draw the plots into ``args.report``."""
-    pyplot()  # fail before the runs, not after them, when matplotlib is missing
+    # every check before the runs, not after them (the options: check_report_args, from cmd_bench): matplotlib,
+    # the lists, the code set, the contexts
+    pyplot()
+    batches = _parse_ints(args.batches or DEFAULT_BATCHES, "--batches")
+    contexts = _parse_ints(args.contexts or DEFAULT_CONTEXTS, "--contexts")
+    methods = report_methods(args.methods)
+    tasks = load_code_tasks(Path(args.code_file) if args.code_file else shared_data_dir() / "code" /
+                            "humaneval.jsonl", args.code_tasks)
     out = Path(args.report)
     out.mkdir(parents=True, exist_ok=True)
-    batches, contexts = _parse_ints(args.batches, "--batches"), _parse_ints(args.contexts, "--contexts")
-    methods = report_methods(args.methods)
     command = args.command_line or "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, max(batches)),
                num_threads=args.threads)
+    if max(contexts) >= base.engine.max_model_len:
+        raise ValueError(f"--contexts {args.contexts}: the model's context is {base.engine.max_model_len} tokens")
     prompts = load_prompt_set(args.prompts, args.num_prompts)
     prompts_ids = [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
@@ -242,8 +282,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     compare_to_plain(cells)
     accept = acceptance_by_position(engines)
     by_ctx = time_by_context(engines, prompts_ids, contexts, min(args.max_tokens, 32))
-    tasks = load_code_tasks(Path(args.code_file) if args.code_file else shared_data_dir() / "code" /
-                            "humaneval.jsonl", args.code_tasks)
     code = {label: code_pass_rate(llm, tasks, args.max_tokens) for label, llm in
             tqdm(engines.items(), desc="code tasks", leave=False)} if tasks else {}
     quality = quality_rows(cells, base, prompts_ids, code)
@@ -271,13 +309,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, metavar="DIR",
-                   help="write the latency and quality tables of every method (or --methods) with plots to DIR")
-    p.add_argument("--batches", default="1,8", help="--report: batch sizes of the latency table (default 1,8)")
-    p.add_argument("--contexts", default="128,512,1024",
-                   help="--report: prompt lengths for time per token against context (default 128,512,1024)")
+                   help="write the latency and quality tables of every method (or of those --methods names) to "
+                   "DIR as report.md and report.json, with four PNG plots; reads the model options, --prompts, "
+                   "--num-prompts, --max-tokens, --ignore-eos and the four options below, and refuses the others")
+    p.add_argument("--batches", default=None,
+                   help=f"--report: batch sizes of the latency table (default {DEFAULT_BATCHES})")
+    p.add_argument("--contexts", default=None,
+                   help=f"--report: prompt lengths for time per token against context (default {DEFAULT_CONTEXTS})")
     p.add_argument("--code-tasks", type=int, default=0,
                    help="--report: score pass@1 on the first N HumanEval problems, running their tests (default 0)")
     p.add_argument("--code-file", default=None, help="--report: a HumanEval-style jsonl instead of the shared one")
 
 
-__all__ = ["LatencyCell", "QualityRow", "add_report_args", "cmd_report"]
+__all__ = ["LatencyCell", "QualityRow", "add_report_args", "check_report_args", "cmd_report"]

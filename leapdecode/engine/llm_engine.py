@@ -28,6 +28,7 @@ from leapdecode.layers.sampler import (
     processed_logits,
     sample_from,
 )
+from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
@@ -156,9 +157,9 @@ class LLMEngine:
 
     def pack_linears(self, model, linear_kernel: str | None = None, quantize_q8: bool = False) -> int:
         """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
-        it (layers/small_gemm.py): ``linear_kernel`` (default: this engine's setting) picks the format;
+        it (models/kernel_plan.py): ``linear_kernel`` (default: this engine's setting) picks the format;
         ``quantize_q8`` (a trained drafter's own float layers) quantizes them to Q8_0 with int8 activations
-        instead (``small_gemm.enable_int8_drafting``) where this CPU has a fast int8 kernel, float32 panels
+        instead (``kernel_plan.use_int8_drafting``) where this CPU has a fast int8 kernel, float32 panels
         elsewhere. Returns how many layers use it."""
         cfg = self.config
         kernel = linear_kernel or cfg.linear_kernel
@@ -166,14 +167,12 @@ class LLMEngine:
             if kernel.startswith("packed") and linear_kernel is not None:
                 raise ValueError(f"linear_kernel={kernel!r} is for CPU float32 models")
             return 0
-        from leapdecode.layers import small_gemm
-
         if quantize_q8:
-            n = small_gemm.enable_int8_drafting(model)
+            n = kernel_plan.use_int8_drafting(model)
             if n:
                 return n
             # no fast int8 kernel on this CPU (0 layers packed): float32 panels, as draft_precision "float32"
-        return small_gemm.enable(
+        return kernel_plan.use_kernels(
             model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
             int8_activations=kernel == "packed-int8act",
         )

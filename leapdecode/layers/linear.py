@@ -78,7 +78,8 @@ def kernel_linear(x: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tens
 
 class KernelWeight(nn.Module):
     """A layer whose weight is a float Parameter or, for a GGUF checkpoint on a CPU, kernel records that replace it
-    (``quant``, layers/block_formats.py); ``packed`` is what the few-row kernel reads (set by small_gemm.enable)."""
+    (``quant``, layers/block_formats.py); ``packed`` is what the few-row kernel reads (set by
+    models/kernel_plan.py)."""
 
     weight: nn.Parameter | None
 
@@ -160,7 +161,7 @@ class VocabParallelEmbedding(KernelWeight):
     """Token embedding whose vocabulary rows are split across ranks (masked lookup + all-reduce); a GGUF
     embedding kept as records rebuilds just the looked-up rows."""
 
-    looks_up_rows = True  # not a projection: small_gemm.enable packs its LM head instead
+    looks_up_rows = True  # not a projection: kernel_plan packs its LM head instead
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()

@@ -249,54 +249,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-def _records_for(mod: torch.nn.Module, int8_activations: bool) -> torch.Tensor | None:
-    """The packed form of a layer whose checkpoint blocks are kept (its own or, for a tied LM head, the
-    embedding's): the records themselves, or their int8-activation layout; None for a float layer."""
-    owner = mod.owner() if hasattr(mod, "owner") else mod
-    quant, bq = getattr(owner, "quant", None), getattr(owner, "block_quantized", None)
-    if quant is not None:
-        return quant.int8_activation_records() if int8_activations else quant.records
-    if not int8_activations or bq is None:
-        return None
-    return bq.pack_int8_activations()
-
-
-def enable(model: torch.nn.Module, required: bool = False, use_blocks: bool = True,
-           int8_activations: bool = False) -> int:
-    """Give every projection of ``model`` (layers with a ``packed`` slot) its packed form: the checkpoint's
-    blocks where the loader kept them (``use_blocks``), else float32 panels. ``int8_activations`` packs
-    block-quantized layers for the int8-activation kernel instead (lossy; float32 panels stay float), and
-    releases their records where nothing else reads them. Returns how many were packed (0 when the kernel is
-    unavailable). Idempotent."""
-    if load_kernel(required) is None:
-        return 0
-    if int8_activations and int8_activation_isa() == "portable":
-        warnings.warn("int8 activations on a CPU without AVX2 run a slow portable loop (exact, but several times "
-                      "slower than float32)", stacklevel=2)
-    n = 0
-    for mod in model.modules():
-        if hasattr(mod, "use_kernel") and not hasattr(mod, "mlp"):  # RMSNorm, Attention, MLP (decode_ops.cpp)
-            mod.use_kernel = True
-        if not hasattr(mod, "packed") or getattr(mod, "looks_up_rows", False):
-            continue  # embeddings look rows up; their LM head (tied or not) is packed
-        if mod.packed is None:
-            mod.packed = _records_for(mod, int8_activations) if use_blocks else None
-            if mod.packed is None:
-                w = (mod.owner() if hasattr(mod, "owner") else mod).dense_weight()  # this rank's rows
-                mod.packed = pack(w) if packable(w) else None
-            elif int8_activations and not hasattr(mod, "owner"):
-                mod.quant = mod.block_quantized = None  # the int8 records serve every row count
-        n += mod.packed is not None
-    if int8_activations and any(isinstance(getattr(m, "packed", None), torch.Tensor)
-                                and int8_activation_layout(m.packed) for m in model.modules()):
-        model.int8_activations = True  # read by the model runner: prompts attend through the rows kernel too
-    for mod in model.modules():  # decoder layers run whole in C++ when every projection is packed
-        if hasattr(mod, "use_kernel") and hasattr(mod, "mlp") and hasattr(mod, "self_attn"):
-            linears = (mod.self_attn.qkv_proj, mod.self_attn.o_proj, mod.mlp.gate_up_proj, mod.mlp.down_proj)
-            mod.use_kernel = all(lin.packed is not None for lin in linears) and not mod.self_attn.o_proj.reduce
-    return n
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in one C++ call (kernels/decode_ops.cpp) for CPU float32 inference; torch's otherwise."""
     if _ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
@@ -337,26 +289,6 @@ def int8_activation_isa() -> str | None:
     None without the kernel."""
     ext = load_kernel()
     return None if ext is None else ext.a8_isa()
-
-
-def enable_int8_drafting(module: torch.nn.Module) -> int:
-    """A drafter's own projections (not the target's) as Q8_0 weights with int8 activations: each packable float
-    weight is quantized to Q8_0 blocks and replaced by their dequantized values, so every code path computes the
-    same draft, then packed for the int8-activation kernel. A draft pass reads ~4x fewer bytes and runs on VNNI or
-    AVX2; the target still verifies every token, so this changes acceptance only, never the output. Returns how
-    many layers were packed: 0 when the kernel is unavailable or only its slow portable loop was built (no AVX2),
-    where drafting stays float32 because int8 would make it slower."""
-    if int8_activation_isa() in (None, "portable"):
-        return 0
-    for mod in module.modules():
-        w = getattr(mod, "weight", None)
-        if hasattr(mod, "packed") and mod.packed is None and isinstance(w, torch.Tensor) and packable(w) \
-                and w.shape[1] % 32 == 0:
-            bq = BlockQuantized.quantize_q8(w)
-            with torch.no_grad():
-                w.copy_(bq.dequantize())
-            mod.block_quantized = bq
-    return enable(module, use_blocks=True, int8_activations=True)
 
 
 def pack_rows(lm_head: torch.nn.Module, rows: torch.Tensor | None, weight: torch.Tensor,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence
@@ -43,7 +43,6 @@ from leapdecode.speculative.options import AutoOptions
 from leapdecode.speculative.state import DomainState, Route
 
 TaskType = Literal["code", "math", "grounded", "chat", "translation"]
-TASKS: tuple[str, ...] = get_args(TaskType)
 
 EXTREME_LATENCY_MS = 10.0  # the tree's "extreme latency" bar, per output token
 TREE_MARGIN = 0.05  # the tree's choice stands while its measured rate is within 5% of the best candidate's
@@ -128,9 +127,11 @@ def plan_route(task: str, opts: AutoOptions, facts: list[DrafterFacts]) -> Route
         branch.append("lossy allowed")
         extreme = opts.latency_slo_ms is not None and opts.latency_slo_ms < EXTREME_LATENCY_MS
         branch.append("latency < 10 ms/token: non-autoregressive blocks" if extreme else "block-parallel decoding")
-        if "blockwise" in usable:
+        if "blockwise" in usable and not opts.minimal_change:
             return Route(task, branch, ("blockwise",), departures)
-        departures.append("no blockwise heads fit this model (or budget): the lossless branch instead")
+        departures.append("minimal change rules out blockwise heads (they read the target's hidden states): the "
+                          "lossless branch instead" if opts.minimal_change and "blockwise" in usable else
+                          "no blockwise heads fit this model (or budget): the lossless branch instead")
         branch = ["lossy allowed, no lossy drafter"]
     branch.append("lossless")
     separate = [n for n in SEPARATE_DRAFTERS if n in usable]
@@ -282,7 +283,6 @@ class Router:
 
 
 __all__ = [
-    "TASKS",
     "DomainDetector",
     "DrafterFacts",
     "Router",

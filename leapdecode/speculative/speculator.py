@@ -124,12 +124,17 @@ class Speculator:
         prior = self.proposers[method].acceptance_prior()
         return prior if self.router is None else self.router.prior(seq, method, prior)
 
+    def _room(self, seq: Sequence) -> int:
+        """The most drafts ``seq`` can verify: one emitted token is the target's own, within max_tokens and the
+        model's context."""
+        return min(seq.params.max_tokens - seq.num_output_tokens - 1, self.view.max_model_len - seq.num_tokens - 1)
+
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
         seq.draft_state.method = None
         if not seq.params.speculative:
             return 0
-        room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.view.max_model_len - seq.num_tokens - 1)
+        room = self._room(seq)
         if room <= 0:
             return 0
         kept = self._pending_budget(seq, room)
@@ -192,7 +197,7 @@ class Speculator:
         """Each running decoding sequence's method and length alone, then the chains' lengths sized together."""
         seqs, wants = [], []
         for s in self.view.running():
-            room = min(s.params.max_tokens - s.num_output_tokens - 1, self.view.max_model_len - s.num_tokens - 1)
+            room = self._room(s)
             if not s.params.speculative or room <= 0 or s.num_computed_tokens != s.num_tokens - 1:
                 continue
             k = self._pending_budget(s, room) or self._choose(s, room, batch)

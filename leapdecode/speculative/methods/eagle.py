@@ -183,7 +183,9 @@ class EagleProposer(SelfSpecProposer):
             items, h_in = self._catchup_items(active)
         else:
             items = [ForwardItem(p.shadow.block_table, p.shadow.num_computed_tokens, [0], [0]) for p in active]
-            h_in = self._fused(torch.stack([p.feature for p in active if p.feature is not None]), fed)
+            feats_in = [p.feature for p in active]
+            assert all(f is not None for f in feats_in)  # every pass leaves each chain its newest feature
+            h_in = self._fused(torch.stack(feats_in), fed)  # type: ignore[arg-type]
         feats = self._adapter_pass(items, h_in)  # f^ at each chain's newest position
         for j, p in enumerate(active):
             p.feature = feats[j]

@@ -168,8 +168,8 @@ class SelfSpecProposer(ShadowCacheProposer):
             self._head_subset = self.model.lm_head.get_weight().index_select(0, self.vocab_subset)
         # the adapter and a subset head through the engine's few-row kernel, as the target's own layers: unpacked,
         # the adapter alone read 14 MB of float32 weights per draft step through torch's ops. "int8" (default on
-        # a CPU): Q8_0 weights and int8 activations, a quarter of the bytes on VNNI or AVX2 (small_gemm.
-        # enable_int8_drafting); the target verifies every token, so precision moves acceptance, not output
+        # a CPU): Q8_0 weights and int8 activations, a quarter of the bytes on VNNI or AVX2 (kernel_plan.
+        # use_int8_drafting); the target verifies every token, so precision moves acceptance, not output
         if draft_precision not in DRAFT_PRECISIONS:  # checked by DrafterOptions too; this guards direct callers
             raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {draft_precision!r}")
         packed = view.pack_linears(adapter, quantize_q8=draft_precision == "int8")
