@@ -15,6 +15,7 @@ GPU. Every collective has the group's timeout, so a rank that stops answering is
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,13 +25,22 @@ import torch.distributed as dist
 
 # collectives give up after this long (a dead peer usually fails them at once, when its sockets close)
 DEFAULT_TIMEOUT_S = float(os.environ.get("LEAPDECODE_TP_TIMEOUT_S", "60"))
-_replicated_depth = 0
-_solo_depth = 0
+
+
+class _Scopes(threading.local):
+    """How deep this thread is in :func:`replicated` and :func:`solo` blocks: per thread, so that a one-rank engine
+    stepped in one thread never takes the collectives away from a tensor-parallel engine stepped in another."""
+
+    replicated = 0
+    solo = 0
+
+
+_scopes = _Scopes()
 
 
 def group_size() -> int:
     """Ranks in the process group (1 without one, or inside :func:`solo`), whatever :func:`replicated` says."""
-    if _solo_depth:
+    if _scopes.solo:
         return 1
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -39,36 +49,34 @@ def group_size() -> int:
 def solo() -> Iterator[None]:
     """Inside this block the process acts as if it had no group: a one-rank engine built and stepped beside a
     tensor-parallel one in the same process never joins the other's collectives."""
-    global _solo_depth
-    _solo_depth += 1
+    _scopes.solo += 1
     try:
         yield
     finally:
-        _solo_depth -= 1
+        _scopes.solo -= 1
 
 
 def tp_rank() -> int:
     """This process's rank for layers built now (0 inside :func:`replicated`)."""
-    if _replicated_depth or group_size() == 1:
+    if _scopes.replicated or group_size() == 1:
         return 0
     return dist.get_rank()
 
 
 def tp_size() -> int:
     """How many ways layers built now are split (1 inside :func:`replicated`)."""
-    return 1 if _replicated_depth else group_size()
+    return 1 if _scopes.replicated else group_size()
 
 
 @contextmanager
 def replicated() -> Iterator[None]:
     """Layers built (and checkpoints sharded) inside this block are whole on every rank: drafters that every rank
     runs in full on the same inputs, so they need no collective."""
-    global _replicated_depth
-    _replicated_depth += 1
+    _scopes.replicated += 1
     try:
         yield
     finally:
-        _replicated_depth -= 1
+        _scopes.replicated -= 1
 
 
 def backend_for(device: torch.device) -> str:
@@ -136,6 +144,14 @@ def min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def rank_path(path: str | None) -> str | None:
+    """A file of this rank's own (``path.rank1``) where a one-process engine would use ``path``: the ranks of a
+    group hold different data (their KV heads) and must not share a file."""
+    if path is None or group_size() == 1:
+        return path
+    return f"{path}.rank{dist.get_rank()}"
 
 
 def shard_range(units: int, unit_size: int = 1) -> tuple[int, int]:

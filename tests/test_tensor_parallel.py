@@ -15,11 +15,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from leapdecode import LLM, SamplingParams
+from leapdecode import LLM, SamplingParams, StructuredOutputsParams
 from leapdecode.engine.executor import WorkerDiedError
 from leapdecode.parallel import group_size
 from tests.conftest import SPEC_PROMPTS
@@ -42,7 +43,10 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tp_tiny(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=128, tensor_parallel_size=2)
+    # built in a thread that ends at once: the workers must outlive it (Linux's parent-death signal follows the
+    # thread that started them, so they would be killed with it), which every test using this engine checks
+    with ThreadPoolExecutor(1) as pool:
+        llm = pool.submit(LLM, model=str(tiny_model_dir), kv_cache_blocks=128, tensor_parallel_size=2).result()
     yield llm
     llm.shutdown()
 
@@ -58,6 +62,10 @@ def test_tiny_greedy_matches_one_rank(tp_tiny, tiny_llm):
 def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir):
     with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
         LLM(model=str(tiny_model_dir), kv_cache_blocks=16, tensor_parallel_size=2)
+    # a request rank 0 refuses (its grammar does not compile) never reaches the worker, which would fail on it
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(ValueError, match="does not compile"):
+        tp_tiny.engine.add_request([5, 6, 7], bad)
     plain = tokens(tp_tiny, SPEC_PROMPTS)
     tp_tiny.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "use_cost_model": False})
     try:
@@ -100,7 +108,7 @@ def test_workers_die_with_rank0(tiny_model_dir, tmp_path: Path):
     """Rank 0 killed without a shutdown: its workers do not outlive it."""
     script = textwrap.dedent(f"""
         import os, sys
-        from leapdecode import LLM, SamplingParams
+        from leapdecode import LLM, SamplingParams, StructuredOutputsParams
         llm = LLM(model={str(tiny_model_dir)!r}, kv_cache_blocks=32, tensor_parallel_size=2)
         llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
         print(llm.engine.executor.procs[0].pid, flush=True)
@@ -116,31 +124,41 @@ def test_workers_die_with_rank0(tiny_model_dir, tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def tp_bundled():
-    llm = LLM(kv_cache_blocks=256, tensor_parallel_size=2)
+def swap_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("swap")
+
+
+@pytest.fixture(scope="module")
+def tp_bundled(swap_dir):
+    # with a host KV tier on disk: each rank swaps its own KV heads, so each needs its own file
+    llm = LLM(kv_cache_blocks=256, tensor_parallel_size=2, swap_space_gb=0.01, swap_path=str(swap_dir / "kv.bin"))
     yield llm
     llm.shutdown()
 
 
-def test_bundled_greedy_matches_one_rank(tp_bundled, bundled_llm):
+def test_bundled_greedy_matches_one_rank(tp_bundled, bundled_llm, swap_dir):
     """The bundled model: 9 heads / 3 KV heads split 6+3 / 2+1, its Q4_1 blocks split by rows and record runs."""
     assert tokens(tp_bundled, SPEC_PROMPTS) == tokens(bundled_llm, SPEC_PROMPTS)
     attn = tp_bundled.engine.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (6, 2)
     assert attn.qkv_proj.quant is not None and attn.o_proj.quant is not None  # still records, not float
+    assert sorted(p.name for p in swap_dir.iterdir()) == ["kv.bin.rank0", "kv.bin.rank1"]
+
+
+@pytest.fixture(scope="module")
+def tp_bundled_plain(tp_bundled) -> list[list[int]]:
+    """Plain decoding's tokens of the speculation tests' prompts under 2 ranks, decoded once for all methods."""
+    return tokens(tp_bundled, SPEC_PROMPTS[:2])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["self_spec", "draft_model", "eagle", "medusa", "blockwise", "hybrid"])
-def test_bundled_speculation_lossless(tp_bundled, method):
-    prompts = SPEC_PROMPTS[:2]
+def test_bundled_speculation_lossless(tp_bundled, tp_bundled_plain, method):
     engine = tp_bundled.engine
-    engine.set_speculative_config(None)
-    plain = tokens(tp_bundled, prompts)
     engine.set_speculative_config({"method": method, "use_cost_model": False})
     try:
         before = engine.stats["num_draft_tokens"]
-        assert tokens(tp_bundled, prompts) == plain
+        assert tokens(tp_bundled, SPEC_PROMPTS[:2]) == tp_bundled_plain
         assert engine.stats["num_draft_tokens"] > before  # the drafter really drafted
     finally:
         engine.set_speculative_config(None)

@@ -14,8 +14,9 @@ Failure handling: a watchdog thread waits on the workers' process sentinels; a w
 divergence) marks the executor failed, the other workers are stopped, and the next ``step`` (or the collective
 rank 0 is blocked in, which fails as soon as the dead rank's sockets close, else after the group timeout) raises
 ``WorkerDiedError`` naming the rank, its exit code and the worker's own error. Workers die with rank 0
-(``PR_SET_PDEATHSIG`` and the closed pipe), and ``shutdown`` stops and reaps them, so no process outlives the
-engine. The worker side is ``engine/worker.py``.
+(the closed pipe, and ``PR_SET_PDEATHSIG`` when the engine was built in the main thread), ignore Ctrl-C (rank 0's
+to handle), and ``shutdown`` stops and reaps them, so no process outlives the engine. The worker side is
+``engine/worker.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from leapdecode.engine.worker import EngineFactory, run_worker, step_digest
 from leapdecode.outputs import RequestOutput
 
 Command = tuple[Any, ...]
+# one thread at a time waits for (reaps) workers: a process reaped by one thread reads as still running (exit code
+# None) to another that waits on it at the same moment
+_REAP_LOCK = threading.RLock()
 
 
 class WorkerDiedError(RuntimeError):
@@ -88,6 +92,7 @@ class Executor:
         self.failure: str | None = None
         self.closed = False
         self._lock = threading.Lock()
+        self._failed = threading.Event()  # set once ``failure`` is
         timeout = timedelta(seconds=parallel.DEFAULT_TIMEOUT_S)
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
         device = torch.device(config.device)
@@ -95,18 +100,22 @@ class Executor:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        # an engine dropped without shutdown(): the workers are reaped and the group left when it is collected (the
+        # watchdog holds only a weak reference), or at interpreter exit; set before the first start, so a start
+        # that fails half-way leaves none behind either
+        self._finalizer = weakref.finalize(self, _close, self.procs, self.conns)
+        atexit.register(self._finalizer)
+        # Linux's parent-death signal follows the thread that started the child: only the main thread outlives
+        # the engine, so workers started from another thread rely on the closed pipe alone
+        parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=run_worker, name=f"leapdecode-tp{rank}", daemon=True,
-                               args=(engine, rank, size, self.store.port, config, theirs, shares[rank], os.getpid()))
+                               args=(engine, rank, size, self.store.port, config, theirs, shares[rank], parent))
             proc.start()
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        # an engine dropped without shutdown(): the workers are reaped and the group left when it is collected (the
-        # watchdog holds only a weak reference), or at interpreter exit
-        self._finalizer = weakref.finalize(self, _close, self.procs, self.conns)
-        atexit.register(self._finalizer)
         self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), list(self.procs)),
                                           name="leapdecode-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -125,7 +134,8 @@ class Executor:
         if self.closed:
             return
         proc = self.procs[rank - 1]
-        proc.join(timeout=1.0)  # reaped, so its exit code is known
+        with _REAP_LOCK:
+            proc.join(timeout=1.0)  # reaped, so its exit code is known
         self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with "
                   f"{_describe_exit(proc.exitcode)}{self._worker_error(rank)}")
 
@@ -143,20 +153,20 @@ class Executor:
 
     def error(self, cause: BaseException | None = None) -> WorkerDiedError:
         """The error to raise: the recorded failure, or ``cause`` (a collective that failed) explained."""
-        if self.failure is None and cause is not None:
-            for p in self.procs:  # a collective failed before the watchdog saw the exit: give it a moment
-                p.join(timeout=2.0)
-            self._watchdog.join(timeout=1.0)
+        if self.failure is None and cause is not None and not self.closed:  # (closed: the watchdog no longer reports)
+            self._failed.wait(timeout=3.0)  # a collective failed before the watchdog saw the exit: give it a moment
         if self.failure is None:
             self.fail(f"tensor-parallel group failed: {cause}")
-        return WorkerDiedError(f"{self.failure}; the engine has stopped (start a new one)")
+        return WorkerDiedError(f"{self.failure}; the engine has stopped (shut it down, then start a new one)")
 
     def fail(self, text: str) -> None:
         """Record why the group cannot go on (the first reason wins) and stop the workers."""
         with self._lock:
             if self.failure is None:
                 self.failure = text
-        _reap(self.procs, self.conns, grace_s=0.0)
+        self._failed.set()
+        # the pipes stay open (the watchdog may call this while rank 0 sends): shutdown() or the finalizer closes them
+        _reap(self.procs, [], grace_s=0.0)
 
     def check(self) -> None:
         if self.failure is not None:
@@ -186,8 +196,11 @@ class Executor:
         try:
             for conn in self.conns:
                 conn.send(msg)
-        except (BrokenPipeError, EOFError, OSError) as e:
+        except (EOFError, OSError) as e:
             raise self.error(e) from e
+        except BaseException as e:  # Ctrl-C, a message that does not pickle: some workers may have it, others not
+            self.fail(f"rank 0 could not send the step order ({type(e).__name__}: {e})")
+            raise
 
     def finish_step(self, outputs: list[RequestOutput]) -> None:
         self.last_digest = step_digest(outputs)
@@ -239,15 +252,16 @@ def _describe_exit(code: int | None) -> str:
 
 def _reap(procs: list[Any], conns: list[Connection], grace_s: float = 2.0) -> None:
     """Wait up to ``grace_s`` for the workers to exit, then terminate, then kill: none is left behind."""
-    for p in procs:
-        p.join(timeout=grace_s)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=2.0)
-        if p.is_alive():
-            p.kill()
+    with _REAP_LOCK:
+        for p in procs:
+            p.join(timeout=grace_s)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
             p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
     for c in conns:
         c.close()

@@ -97,19 +97,7 @@ class LLMEngine:
         from leapdecode.layers.kv_quant import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
-        if config.kv_cache_blocks:
-            num_blocks = config.kv_cache_blocks
-        elif self.device.type == "cuda":  # a share of the whole GPU, after profiling the largest step
-            num_blocks = gpu_memory.num_blocks_for_utilization(
-                model, mcfg, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
-                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens, config.kv_device_layers,
-            )
-        else:
-            num_blocks = KVCache.auto_num_blocks(
-                mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
-                config.kv_cache_memory_fraction, config.kv_device_layers,
-            )
-        num_blocks = parallel.min_over_ranks(num_blocks)  # every rank's scheduler plans over the same blocks
+        num_blocks = self._num_kv_blocks(kv_dtype)
         use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers,
                                         bool(mcfg.attention_windows()))
         # with CUDA graphs, one more block that no sequence owns takes the padding rows' K/V writes
@@ -121,7 +109,10 @@ class LLMEngine:
             from leapdecode.engine.swap import HostKVPool
 
             per_block = self.kv_cache.nbytes // pool_blocks
-            self.swap = HostKVPool(self.kv_cache, int(config.swap_space_gb * (1 << 30)) // per_block, config.swap_path)
+            # every rank's scheduler must swap alike: one block count (a rank with fewer KV heads fits more), and
+            # each rank its own file (its own KV heads)
+            swap_blocks = parallel.min_over_ranks(int(config.swap_space_gb * (1 << 30)) // per_block)
+            self.swap = HostKVPool(self.kv_cache, swap_blocks, parallel.rank_path(config.swap_path))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, swap=self.swap
         )
@@ -146,6 +137,24 @@ class LLMEngine:
         if config.speculative_config is not None:
             with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
                 self.speculator = Speculator(self, config.speculative_config)
+
+    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
+        """The KV blocks the scheduler plans over: the configured count, or what the memory affords; the same on
+        every tensor-parallel rank (the smallest)."""
+        config, mcfg = self.config, self.model_config
+        if config.kv_cache_blocks:
+            num_blocks = config.kv_cache_blocks
+        elif self.device.type == "cuda":  # a share of the whole GPU, after profiling the largest step
+            num_blocks = gpu_memory.num_blocks_for_utilization(
+                self.model, mcfg, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
+                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens, config.kv_device_layers,
+            )
+        else:  # the ranks of a CPU group share this machine's memory: each takes its part of the fraction
+            num_blocks = KVCache.auto_num_blocks(
+                mcfg, config.block_size, kv_dtype, self.device, config.max_num_seqs, self.max_model_len,
+                config.kv_cache_memory_fraction / parallel.group_size(), config.kv_device_layers,
+            )
+        return parallel.min_over_ranks(num_blocks)  # every rank's scheduler plans over the same blocks
 
     def pack_linears(self, model, linear_kernel: str | None = None, quantize_q8: bool = False) -> int:
         """Give ``model`` (the target, or a draft model) the few-row linear kernel where the configuration allows
@@ -202,8 +211,6 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if self.executor is not None:
-            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
         seqs: list[Sequence] = []
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}{SEQ_ID_SEP}{i}"
@@ -214,6 +221,8 @@ class LLMEngine:
                 seq.prefix_leader = seqs[0]  # share the prompt's blocks through the prefix cache
             seq.group = seqs
             seqs.append(seq)
+        if self.executor is not None:  # only a request rank 0 accepted (a grammar that does not compile raises above)
+            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -244,7 +253,9 @@ class LLMEngine:
         parallelism the workers step with it; a dead worker raises ``executor.WorkerDiedError``."""
         ex = self.executor
         if ex is None:
-            with self.scope():
+            if not self.solo:  # the usual case: nothing around the step
+                return self._step()
+            with parallel.solo():
                 return self._step()
         ex.start_step()
         try:
@@ -263,10 +274,17 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError("set_speculative_config needs an idle engine: finish or abort the running requests")
         cfg = SpeculativeConfig.from_dict(cfg)
-        if self.executor is not None:
-            self.executor.apply_now(("speculative", cfg))
-        with self.scope():
+        ex = self.executor
+        if ex is None:
+            with self.scope():
+                self._set_speculator(cfg)
+            return
+        ex.apply_now(("speculative", cfg))
+        try:
             self._set_speculator(cfg)
+        except BaseException as e:  # the workers may be waiting in a collective rank 0 will not enter
+            ex.fail(f"rank 0 could not switch speculative decoding ({type(e).__name__}: {e})")
+            raise
 
     def _set_speculator(self, cfg: SpeculativeConfig | None) -> None:
         if self.speculator is not None:

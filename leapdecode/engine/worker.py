@@ -30,6 +30,7 @@ from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
 PR_SET_PDEATHSIG = 1
+MAX_ERROR_CHARS = 4000
 
 
 class WorkerEngine(Protocol):
@@ -56,8 +57,12 @@ def step_digest(outputs: list[RequestOutput]) -> int:
     return zlib.crc32(text.encode())
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to kill this process when its parent (rank 0) dies; exit now if it already has."""
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to kill this process when its parent (rank 0; None: not asked, see ``Executor``) dies; exit now if
+    it already has. Ctrl-C is rank 0's to handle: a worker ignores it and stops when rank 0 stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is None:
+        return
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -68,7 +73,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def run_worker(engine: EngineFactory, rank: int, size: int, port: int, config: EngineConfig, conn: Connection,
-               cpus: set[int], parent_pid: int) -> None:
+               cpus: set[int], parent_pid: int | None) -> None:
     """The worker process's entry point."""
     die_with_parent(parent_pid)
     # quiet (rank 0 shows progress), and no multiprocessing lock in tqdm, which the fast exit below would leak
@@ -86,7 +91,8 @@ def run_worker(engine: EngineFactory, rank: int, size: int, port: int, config: E
         code = 1
         traceback.print_exc()
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            # short: rank 0 reads it only after this process exits, so it must fit the pipe's buffer
+            conn.send(("error", f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]))
         except OSError:
             pass
     finally:
