@@ -37,9 +37,9 @@ def prepare(folder: Path) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     load_tokenizer(bundled_model_path()).save_pretrained(str(folder / "tokenizer"))
-    src = shared_data_dir() / "mt_bench" / "question.jsonl"
-    (folder / "data" / "mt_bench").mkdir(parents=True, exist_ok=True)
-    shutil.copy(src, folder / "data" / "mt_bench" / "question.jsonl")
+    src, dst = shared_data_dir() / "mt_bench" / "question.jsonl", folder / "data" / "mt_bench" / "question.jsonl"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)  # not its mode: the shared copy is read-only, and a second prepare must overwrite it
     version = importlib.metadata.version("gguf")
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
                     str(folder / "wheels"), f"gguf=={version}"], check=True)  # fmt: skip

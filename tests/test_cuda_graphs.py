@@ -87,6 +87,10 @@ def test_graphs_need_cuda_and_a_free_block(eager_llm):
             cg.StepGraphs(e.model, e.kv_cache, 4, e.device, 64, 8, scratch_block=31)
     with pytest.raises(ValueError, match="outside the KV pool"):
         cg.StepGraphs(e.model, e.kv_cache, 4, e.device, 64, 8, scratch_block=32, capture=False)
+    graphs = cg.StepGraphs(e.model, e.kv_cache, 4, e.device, 64, 8, scratch_block=31, capture=False,
+                           batch_sizes=SIZES, query_lens=QLENS)  # fmt: skip
+    with ta.disabled(), pytest.raises(RuntimeError, match="Triton kernels"):  # SDPA would read placeholder slots
+        graphs.execute([item(5, [1])])
 
 
 def test_fill_pads_with_scratch_rows(eager_llm):

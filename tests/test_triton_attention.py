@@ -59,15 +59,16 @@ def make_case(specs, dtype=torch.float32, seed=0, num_blocks=None):
 
 
 def attend(case, triton: bool, to_planes=lambda k, v: (k, v)):
-    """One layer's paged attention over a copy of the case's caches: the torch path or the Triton one."""
+    """One layer's paged attention over a copy of the case's caches: the torch path (also on a GPU, where the
+    kernels would otherwise serve both sides) or the Triton one."""
     seqs, slot_mapping, (q, k, v), (kc, vc) = case
     k_plane, v_plane = to_planes(kc.clone().to(DEVICE), vc.clone().to(DEVICE))
     meta = build_attention_metadata(seqs, slot_mapping.to(DEVICE), HEADS // KV_HEADS, DEVICE)
     args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), k_plane, v_plane, meta, DIM**-0.5)
-    if not triton:
-        return paged_attention(*args).cpu()
-    with ta.forced():
-        return paged_attention(*args).cpu()
+    with ta.forced() if triton else ta.disabled():
+        out = paged_attention(*args).cpu()
+    assert (meta._triton is not None) == triton  # the path asked for is the path taken
+    return out
 
 
 def float_reference(case):
@@ -172,6 +173,11 @@ def test_bad_input_is_refused():
     seqs, _, (q, _, _), (kc, vc) = make_case([(10, 3, TREE)])
     batch = ta.RowBatch.from_seqs(seqs, DEVICE)
     out = torch.zeros(q.shape, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ta.paged_decode_attention(q.to(DEVICE).transpose(1, 2).contiguous().transpose(1, 2), kc.to(DEVICE),
+                                  vc.to(DEVICE), batch, 1.0, out)  # fmt: skip
+    with pytest.raises(ValueError, match="q's shape"):
+        ta.paged_decode_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch, 1.0, out[:1])
     with pytest.raises(ValueError, match="sliding window"):
         ta.paged_decode_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch, 1.0, out, window=4)
     with pytest.raises(ValueError, match="does not match"):
@@ -204,6 +210,15 @@ def test_padding_rows_in_a_fixed_shape_batch():
     out = torch.zeros(q.shape, device=DEVICE)
     ta.paged_decode_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch, DIM**-0.5, out, num_splits=2)
     torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
+    # as a captured step pads: a sequence whose 2 rows are listed for the merge but whose length is 0, so no
+    # program writes its split outputs; its rows merge to zeros whatever the output held before
+    q2 = torch.cat([q, torch.randn(2, HEADS, DIM)])
+    batch = ta.RowBatch.from_seqs([*seqs, SeqAttention(q.shape[0], 2, 2, [0], BLOCK)], DEVICE, max_q=8)
+    batch.q_len[-1], batch.ctx_len[-1] = 0, 0
+    out = torch.full(q2.shape, float("nan"), device=DEVICE)
+    ta.paged_decode_attention(q2.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch, DIM**-0.5, out, num_splits=3)
+    torch.testing.assert_close(out[: q.shape[0]].cpu(), want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[q.shape[0] :].cpu(), torch.zeros(2, HEADS, DIM))
 
 
 @pytest.mark.slow
@@ -220,7 +235,8 @@ def test_bundled_model_caches(monkeypatch):
     torch_path, diffs = attention._paged_attention, []
 
     def both(q, k, v, k_cache, v_cache, meta, scale, use_kernel=False):
-        want = torch_path(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
+        with ta.disabled():
+            want = torch_path(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
         meta._triton = None
         with ta.forced():  # writes the same K/V again, then attends through the kernels
             got = torch_path(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
@@ -237,7 +253,8 @@ def test_bundled_model_caches(monkeypatch):
         n = len(prompt)
         if kv_dtype == "float32":  # a decode step end to end
             item = ForwardItem(table, n, [3], [0])
-            want = runner.execute([item])[0].logits
+            with ta.disabled():
+                want = runner.execute([item])[0].logits
             with ta.forced():
                 got = runner.execute([item])[0].logits
             torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
@@ -261,7 +278,9 @@ def test_engine_tokens_unchanged_through_the_kernels(tiny_model_dir, method, mon
     params = SamplingParams(max_tokens=10, temperature=0.0)
     llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, linear_kernel="torch", device=str(DEVICE),
               enforce_eager=True, speculative_config=method)  # fmt: skip
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with ta.disabled():  # the torch path, on a GPU too
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not launches
     with ta.forced():
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and all(len(t) == 10 for t in got)

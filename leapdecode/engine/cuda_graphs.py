@@ -183,6 +183,12 @@ class StepGraphs:
         """The static step of ``shape``, built (and on CUDA captured) on first use."""
         step = self.steps.get(shape)
         if step is None:
+            # the static metadata describes its sequences only to the Triton kernels (RowBatch); a layer on the SDPA
+            # path would attend through the placeholder slots it was built with
+            probe = torch.empty(0, device=self.device)
+            if not all(triton_attention.applies(probe, k) for k, _ in self.kv_cache.layers):
+                raise RuntimeError("a static step needs every layer's attention on the Triton kernels (a float or "
+                                   "int8 cache on the device, triton installed; triton_attention.forced() on a CPU)")
             step = StaticStep(shape, self.group_size, self.block_size, self.max_model_len, self.scratch_block,
                               self.device)  # fmt: skip
             if self.capture:

@@ -150,7 +150,8 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """One program per (listed row, query head): weight each split's partial output by its share of the
-    softmax mass, ``2^(lse_s - max lse)``; splits that saw nothing carry ``lse = -inf`` and weigh zero."""
+    softmax mass, ``2^(lse_s - max lse)``; splits that saw nothing carry ``lse = -inf``, weigh zero and their
+    partial output is not read (a row no split wrote, a padding row, merges to zeros)."""
     t = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -158,9 +159,12 @@ def merge_splits_kernel(
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + t * stride_lt + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    seen = s_ok & (lse > float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw anything: every weight is zero
+    w = tl.where(seen, tl.exp2(lse - top), 0.0)
     p_off = t * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
-    part = tl.load(part_ptr + p_off, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    part = tl.load(part_ptr + p_off, mask=seen[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)

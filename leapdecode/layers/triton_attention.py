@@ -33,7 +33,7 @@ _DEFAULT_SMS = 132
 # positions one split should cover at least: below this the merge costs more than the parallelism brings
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 32
-_forced = False
+_mode: bool | None = None  # None: on CUDA tensors only; True: forced(); False: disabled()
 
 
 class RowSeq(Protocol):
@@ -48,22 +48,32 @@ class RowSeq(Protocol):
 
 
 @contextlib.contextmanager
-def forced() -> Iterator[None]:
-    """Use the Triton path for CPU tensors too (they then run through the interpreter: ``TRITON_INTERPRET=1``
-    must have been set before triton was imported). For tests and debugging."""
-    global _forced
-    old, _forced = _forced, True
+def _use(mode: bool) -> Iterator[None]:
+    global _mode
+    old, _mode = _mode, mode
     try:
         yield
     finally:
-        _forced = old
+        _mode = old
+
+
+def forced() -> contextlib.AbstractContextManager[None]:
+    """Use the Triton path for CPU tensors too (they then run through the interpreter: ``TRITON_INTERPRET=1``
+    must have been set before triton was imported). For tests and debugging."""
+    return _use(True)
+
+
+def disabled() -> contextlib.AbstractContextManager[None]:
+    """Keep the torch path (SDPA over gathered pages) even for CUDA tensors: the reference the kernels are tested
+    against on a GPU."""
+    return _use(False)
 
 
 def applies(q: torch.Tensor, k_cache: object) -> bool:
     """Whether the few-token rows of this layer go through the Triton kernels: triton is installed, the tensors
-    are on a GPU (or :func:`forced`), and the cache plane is a float tensor or an int8 plane (kv_quant.py) on
-    q's device (not, say, the host layer tier's planes)."""
-    if not AVAILABLE or not (q.is_cuda or _forced):
+    are on a GPU (or :func:`forced`; never under :func:`disabled`), and the cache plane is a float tensor or an int8
+    plane (kv_quant.py) on q's device (not, say, the host layer tier's planes)."""
+    if not AVAILABLE or _mode is False or not (q.is_cuda or _mode is True):
         return False
     if isinstance(k_cache, torch.Tensor):
         return k_cache.device == q.device and k_cache.is_floating_point()
@@ -188,6 +198,11 @@ def paged_decode_attention(
     quant = k_scale is not None
     if quant and (v_scale is None or k_scale.stride() != v_scale.stride()):
         raise ValueError("int8 K and V planes must both carry scales of one layout")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    # the kernels step through the last dimension (head channels, scale groups) as contiguous memory
+    if any(t.stride(-1) != 1 for t in (q, out, k_data, v_data, *((k_scale, v_scale) if quant else ()))):
+        raise ValueError("q, out and the cache planes need a contiguous last dimension")
     block_m = _block_m(batch.max_q * group)
     m_blocks = -(-(batch.max_q * group) // block_m)
     seqs = batch.q_len.shape[0]
@@ -199,7 +214,8 @@ def paged_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if splits > 1:
         part = torch.empty(q.shape[0], heads, splits, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[0], heads, splits, dtype=torch.float32, device=q.device)
+        # -inf: rows no program writes (padding rows of a captured step) merge to 0 instead of reading garbage
+        lse = torch.full((q.shape[0], heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
         target, stride_os, lse_strides = part, part.stride(2), lse.stride()[:2]
     else:
         target, lse, stride_os, lse_strides = out, out, 0, (0, 0)
