@@ -108,6 +108,7 @@ MIN_TOP_P = 1e-6
 # the engine scans every stop string after every token: 200,000 of them (well within the body limit) cost ~50 ms
 # per token of the one engine thread, stalling every other request; OpenAI allows 4, 64 serves any real use
 MAX_STOP_STRINGS = 64
+MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id of any vocabulary
 
 
 class StreamOptions(BaseModel):
@@ -174,8 +175,10 @@ class _SamplingRequest(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise APIError(f"logit_bias keys must be token ids (digits), got {key!r}", param="logit_bias")
+            # ASCII digits only: str.isdigit() also takes "²" (int() refuses it) and other scripts' digits; a key
+            # longer than any vocabulary's ids would hit int()'s digit limit
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+                raise APIError(f"logit_bias keys must be token ids (digits), got {key[:32]!r}", param="logit_bias")
             bias[int(key)] = value
         return bias
 
