@@ -36,6 +36,8 @@ from leapdecode.structured import StructuredOutputBackend, make_backend
 
 # the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
 SEQ_ID_SEP = "\x1f"
+# prompt positions scored per log-softmax when a request asks for its prompt's log-probabilities
+PROMPT_LOGPROB_ROWS = 64
 
 
 class KVCapacityError(ValueError):
@@ -402,11 +404,16 @@ class LLMEngine:
         model's raw logits (no processors apply to the prompt)."""
         assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
         m = logits.shape[0]
-        targets = seq.token_ids[start + 1 : start + 1 + m]
-        entries = position_logprobs(
-            torch.log_softmax(logits.float(), dim=-1), targets, seq.params.prompt_logprobs, self.decode_token
-        )
-        seq.prompt_logprobs[start + 1 : start + 1 + m] = entries
+        # a few rows at a time: a whole prefill chunk's float32 log-softmax (and its rank comparison) would hold
+        # several [rows, vocab] copies at once (gigabytes for a 2k-token chunk of a 150k vocabulary)
+        for lo in range(0, m, PROMPT_LOGPROB_ROWS):
+            hi = min(m, lo + PROMPT_LOGPROB_ROWS)
+            targets = seq.token_ids[start + 1 + lo : start + 1 + hi]
+            entries = position_logprobs(
+                torch.log_softmax(logits[lo:hi].float(), dim=-1), targets, seq.params.prompt_logprobs,
+                self.decode_token,
+            )
+            seq.prompt_logprobs[start + 1 + lo : start + 1 + hi] = entries
 
     def decode_token(self, token_id: int) -> str | None:
         """One token's text for log-probability entries (special tokens included), cached per id."""
