@@ -618,7 +618,7 @@ def test_engine_failure_fails_only_its_requests(
     def broken_once():
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("simulated engine failure")
+            raise RuntimeError("simulated engine failure reading /srv/secret/model.bin")
         return real()
 
     monkeypatch.setattr(llm.engine, "step", broken_once)
@@ -626,6 +626,7 @@ def test_engine_failure_fails_only_its_requests(
         server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, trust_env=False, timeout=60
     )
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert "RuntimeError" in r.text and "/srv/secret" not in r.text, r.text  # the kind, never a server path
     r = httpx.post(
         server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, trust_env=False, timeout=60
     )

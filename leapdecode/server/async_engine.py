@@ -400,7 +400,9 @@ class AsyncEngine:
                     out.append((rid, e))
                 except Exception as e:
                     logger.exception("add_request failed")
-                    out.append((rid, EngineStepError(f"the engine could not add the request: {e}")))
+                    # the client gets the kind only: the message may name server paths (the log has it whole)
+                    why = f"the engine could not add the request ({type(e).__name__}); the server log has the details"
+                    out.append((rid, EngineStepError(why)))
             elif cmd[0] == "abort":
                 eng.abort_request(cmd[1])
         if eng.has_unfinished_requests():
@@ -410,7 +412,8 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting %d running request(s)", len(eng.requests))
                 for rid in list(eng.requests):
                     eng.abort_request(rid)
-                    out.append((rid, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}")))
+                    why = f"the engine step failed ({type(e).__name__}); the server log has the details"
+                    out.append((rid, EngineStepError(why)))
             else:
                 out.extend((r.request_id, StreamOutput.from_output(r)) for r in results)
         self._publish()

@@ -351,10 +351,11 @@ class Speculator:
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor | None]:
         """Emitted tokens, the number of drafts accepted and the processed logits of the rows the emitted tokens
-        were drawn at (for log-probabilities; None when the request asked for none), from the target logits at the drafts' positions with the request's
-        processors applied at each (the tokens before a position include the drafts before it); then the one
-        bookkeeping path for chains and trees: metrics, the drafter's γ (chains), the drafter's own roll-back
-        (``on_verified``) and the row whose hidden state the drafters observe next."""
+        were drawn at (for log-probabilities; None when the request asked for none), from the target logits at
+        the drafts' positions with the request's processors applied at each (the tokens before a position
+        include the drafts before it); then the one bookkeeping path for chains and trees: metrics, the drafter's
+        γ (chains), the drafter's own roll-back (``on_verified``) and the row whose hidden state the drafters
+        observe next."""
         t0 = time.perf_counter()
         st = seq.draft_state
         assert st.method is not None, "verify() of a sequence that did not draft"
