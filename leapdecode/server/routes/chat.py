@@ -2,8 +2,8 @@
 
 ``logprobs``/``top_logprobs`` add OpenAI's chat log-probabilities; ``response_format`` constrains the text;
 ``tools`` with ``tool_choice`` ``"required"`` or a named function constrain the output to the tools' JSON schemas
-and answer ``tool_calls`` with ``finish_reason: "tool_calls"`` (see :mod:`leapdecode.server.tools`; streamed, the
-calls come whole in the choice's last chunk).
+and answer ``tool_calls`` (``finish_reason: "tool_calls"``; ``"stop"`` for a named function, as OpenAI's API does;
+see :mod:`leapdecode.server.tools`; streamed, the calls come whole in the choice's last chunk).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ ToolConstraint = Tool | Literal["required"] | None
 
 def answer(c: ChoiceSnapshot, tool: ToolConstraint) -> tuple[str | None, list[ToolCall] | None, str | None]:
     """``(content, tool_calls, finish_reason)`` of a finished choice: a complete constrained output becomes tool
-    calls (finish reason ``tool_calls``); one cut short by ``max_tokens`` stays text."""
+    calls; one cut short by ``max_tokens`` stays text. As in OpenAI's API, the finish reason of calls is
+    ``tool_calls`` under ``"required"`` and ``stop`` under a named function (the client forced that call)."""
     calls = parse_tool_calls(c.text, tool) if tool is not None else None
     if calls is None:
         return c.text, None, c.finish_reason
-    return None, calls, "tool_calls"
+    return None, calls, "tool_calls" if tool == "required" else "stop"
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
