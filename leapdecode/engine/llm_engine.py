@@ -452,7 +452,10 @@ class LLMEngine:
             if seq.grammar is not None and not seq.grammar.accept(tok):
                 raise RuntimeError(f"token {tok} broke request {seq.group_id!r}'s grammar although it was masked")
             if m.num_output_tokens < p.min_tokens:
-                pass  # no stop condition before min_tokens (stop tokens are masked until then)
+                # no stop condition before min_tokens (stop tokens are masked until then); the text moves on, so
+                # a stop string in it is not found later by the first check of an accepted run past min_tokens
+                if p.stop_list:
+                    seq.detokenizer.append(seq.output_token_ids)
             elif tok in seq.stop_ids:
                 seq.finish_reason = "stop"
                 seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok
