@@ -34,6 +34,27 @@ def answer(c: ChoiceSnapshot, tool: ToolConstraint) -> tuple[str | None, list[To
     return None, calls, "tool_calls" if tool == "required" else "stop"
 
 
+def delta_content(delta: Delta, tool: ToolConstraint) -> tuple[dict[str, Any], str | None] | None:
+    """A streamed chunk's ``delta`` object and finish reason; None when nothing goes out for ``delta`` (a tool
+    call still being generated: the calls go out whole, once the choice has finished)."""
+    content: dict[str, Any] = {"role": "assistant", "content": ""} if delta.first else {}
+    reason = delta.finish_reason
+    c = delta.choice
+    if tool is not None and c is not None:
+        if reason is None:
+            return None
+        text, calls, reason = answer(c, tool)
+        if calls is not None:
+            content["tool_calls"] = [
+                P.ToolCallDelta(index=i, **call.model_dump()).model_dump() for i, call in enumerate(calls)
+            ]
+        elif text:
+            content["content"] = text
+    elif delta.text:
+        content["content"] = delta.text
+    return content, reason
+
+
 def add_routes(app: FastAPI, serving: Serving) -> None:
     name = serving.name
     tokenizer = serving.engine.tokenizer
@@ -71,21 +92,10 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             return formatter.chat(c.token_ids[start:], c.logprobs[start:], req.top_logprobs or 0)
 
         def chunk(delta: Delta) -> dict[str, Any] | None:
-            content: dict[str, Any] = {"role": "assistant", "content": ""} if delta.first else {}
-            reason = delta.finish_reason
+            if (got := delta_content(delta, tool)) is None:
+                return None
+            content, reason = got
             c = delta.choice
-            if tool is not None and c is not None:  # the calls go out whole, once the choice has finished
-                if reason is None:
-                    return None
-                text, calls, reason = answer(c, tool)
-                if calls is not None:
-                    content["tool_calls"] = [
-                        P.ToolCallDelta(index=i, **call.model_dump()).model_dump() for i, call in enumerate(calls)
-                    ]
-                elif text:
-                    content["content"] = text
-            elif delta.text:
-                content["content"] = delta.text
             lp = logprobs(c, 0 if tool is not None else delta.tokens_from) if c is not None else None
             d = P.ChatCompletionChunk(
                 id=rid,
