@@ -470,6 +470,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "n"),  # 1152 completions from one body
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),

@@ -305,6 +305,9 @@ class ChatCompletionRequest(_SamplingRequest):
 # one prompt of /v1/completions: a text, or token ids
 PromptInput = StrictStr | Annotated[list[JsonInt], Field(min_length=1)]
 MAX_PROMPTS = 256  # prompts per /v1/completions request (each is one engine request)
+# completions one /v1/completions request may ask for (prompts x n): each is an engine sequence holding its own
+# copy of its prompt, so 256 prompts x n=128 would be 32,768 sequences from one body
+MAX_CHOICES = 1024
 
 
 class CompletionRequest(_SamplingRequest):
@@ -335,6 +338,12 @@ class CompletionRequest(_SamplingRequest):
             raise APIError("best_of is not supported (other than equal to n)", param="best_of")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
+        if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
+            raise APIError(
+                f"{len(self.prompts())} prompts x n={self.n} asks for more than {MAX_CHOICES} completions in one "
+                "request; split the batch",
+                param="n",
+            )
         if self.max_tokens == 0 and not self.echo:
             raise APIError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo", param="max_tokens")
 
