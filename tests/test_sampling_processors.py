@@ -98,6 +98,10 @@ def test_logit_bias_and_min_tokens(plain):
     assert out.token_ids == [77] * 6
     with pytest.raises(ValueError, match="logit_bias"):
         plain.generate("Hello", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    # (min_tokens masks the stop ids: one outside the vocabulary would fail the step of every running request)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        plain.generate("Hello", SamplingParams(stop_token_ids=[10**6], min_tokens=2), use_tqdm=False)
+    assert plain.generate("Hello", SamplingParams(max_tokens=3, min_tokens=2), use_tqdm=False)[0].finished
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 200.0})
     with pytest.raises(ValueError, match="presence_penalty"):

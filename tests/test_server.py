@@ -446,6 +446,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # isdigit, not int
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # int()'s limit
     ("/v1/chat/completions", {"messages": CHAT, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 1, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS}, 400, "tool_choice"),  # "auto" by default

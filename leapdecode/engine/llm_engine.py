@@ -186,8 +186,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if ids and max(ids) >= vocab:  # (min_tokens masks the stop ids: out of range would fail the step)
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(

@@ -193,6 +193,7 @@ class Serving:
         if req.top_k is not None and req.top_k > vocab:
             raise P.APIError(f"top_k must be -1 or in [1, {vocab}], got {req.top_k}", param="top_k")
         self.check_token_ids(list(req.token_bias() or ()), "logit_bias")
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         bm = self.engine.block_manager
         capacity = bm.num_blocks * bm.block_size
         default_max = max(1, min(max_len, capacity) - n_prompt)
