@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 
 import torch
@@ -138,6 +139,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
+        self._structured_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}  # decode_token's cache
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
@@ -226,7 +228,9 @@ class LLMEngine:
     def structured_backend(self) -> StructuredOutputBackend:
         """The grammar engine, made (tokenizer compiled) on the first request that asks for structured output."""
         if self._structured is None:
-            self._structured = make_backend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            with self._structured_lock:  # the server's worker threads may ask at once (they compile ahead)
+                if self._structured is None:
+                    self._structured = make_backend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._structured
 
     def abort_request(self, request_id: str) -> None:
