@@ -98,6 +98,10 @@ def test_logit_bias_and_min_tokens(plain):
     assert out.token_ids == [77] * 6
     with pytest.raises(ValueError, match="logit_bias"):
         plain.generate("Hello", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    # (min_tokens masks the stop ids: one outside the vocabulary would fail the step of every running request)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        plain.generate("Hello", SamplingParams(stop_token_ids=[10**6], min_tokens=2), use_tqdm=False)
+    assert plain.generate("Hello", SamplingParams(max_tokens=3, min_tokens=2), use_tqdm=False)[0].finished
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 200.0})
     with pytest.raises(ValueError, match="presence_penalty"):
@@ -119,6 +123,28 @@ def test_stop_strings_with_and_without_the_stop_text(plain):
         out = plain.generate("The quick brown fox", p, use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == (base[: cut + len(stop)] if include else base[:cut])
+
+
+def test_stop_string_before_min_tokens_does_not_stop_a_speculative_run(tiny_model_dir, plain):
+    """A stop string whose text appears before ``min_tokens`` does not count, also when a speculative step
+    accepts a run reaching past ``min_tokens`` (the drafter is the target itself: every draft is accepted)."""
+    spec = LLM.from_engine_of(plain, speculative_config={"method": "draft_model", "model": str(tiny_model_dir),
+                                                         "use_cost_model": False, "num_speculative_tokens": 6})
+    prompt = "The quick brown fox"
+    base = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    # the text of output tokens 1-2: the first speculative step (after the prefill's token 0) accepts tokens 1-7,
+    # a run that passes min_tokens=6 with the stop text inside it
+    tok = plain.get_tokenizer()
+    before = tok.decode(base.token_ids[:1], skip_special_tokens=True)
+    stop = tok.decode(base.token_ids[:3], skip_special_tokens=True)[len(before):].strip()
+    assert len(stop) >= 2 and base.text.find(stop) < len(tok.decode(base.token_ids[:3], skip_special_tokens=True))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=6)
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(prompt, params, use_tqdm=False)[0]
+    assert got.metrics.num_accepted_tokens > 0
+    assert (got.outputs[0].token_ids, got.outputs[0].text) == (want.token_ids, want.text)
+    assert len(want.token_ids) >= 6  # min_tokens held in plain decoding too
 
 
 PROCESSED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={5: 2.0, 9: -3.0},

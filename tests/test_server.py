@@ -443,7 +443,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"1": 101}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # isdigit, not int
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # int()'s limit
     ("/v1/chat/completions", {"messages": CHAT, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 1, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS}, 400, "tool_choice"),  # "auto" by default
@@ -468,6 +471,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "n"),  # 1152 completions from one body
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
@@ -616,7 +620,7 @@ def test_engine_failure_fails_only_its_requests(
     def broken_once():
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("simulated engine failure")
+            raise RuntimeError("simulated engine failure reading /srv/secret/model.bin")
         return real()
 
     monkeypatch.setattr(llm.engine, "step", broken_once)
@@ -624,6 +628,7 @@ def test_engine_failure_fails_only_its_requests(
         server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, trust_env=False, timeout=60
     )
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert "RuntimeError" in r.text and "/srv/secret" not in r.text, r.text  # the kind, never a server path
     r = httpx.post(
         server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, trust_env=False, timeout=60
     )

@@ -5,6 +5,7 @@ log-probabilities (checked against HF transformers' log_softmax), echo and promp
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -240,6 +241,20 @@ def test_response_format_json(server: str, llm: LLM) -> None:
             model="default", messages=CHAT, max_tokens=4,
             extra_body={"structured_outputs": {"json": schema, "regex": "a+"}},
         )
+    # grammars compile in a worker thread before the engine sees the request, never on the engine thread
+    backend = llm.engine.structured_backend()
+    real, threads = backend._compile, []
+    backend._compile = lambda spec: (threads.append(threading.current_thread().name), real(spec))[1]
+    try:
+        c.completions.create(model="default", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {
+            "regex": "[xyz]{2,9}"}})
+    finally:
+        del backend._compile
+    assert threads and "leapdecode-engine" not in threads, threads
+    # compiled before the engine sees the request: a grammar that does not compile is a 400 naming it
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        c.completions.create(model="default", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {
+            "regex": "(unclosed"}})
 
 
 TOOLS = [
@@ -268,7 +283,8 @@ def test_tool_calls_required_and_named(server: str) -> None:
         model="default", messages=CHAT, max_tokens=80, temperature=0, tools=TOOLS, tool_choice=named
     )
     calls = out.choices[0].message.tool_calls
-    assert out.choices[0].finish_reason == "tool_calls" and [t.function.name for t in calls] == ["set_mode"]
+    # a forced (named) call finishes with "stop" in OpenAI's API; "required" with "tool_calls"
+    assert out.choices[0].finish_reason == "stop" and [t.function.name for t in calls] == ["set_mode"]
     assert json.loads(calls[0].function.arguments)["mode"] in ("on", "off")
     streamed, reasons = [], []
     for chunk in c.chat.completions.create(
@@ -277,7 +293,7 @@ def test_tool_calls_required_and_named(server: str) -> None:
         for ch in chunk.choices:
             streamed += ch.delta.tool_calls or []
             reasons += [ch.finish_reason] if ch.finish_reason else []
-    assert reasons == ["tool_calls"]
+    assert reasons == ["stop"]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("set_mode", calls[0].function.arguments)]
     text = c.chat.completions.create(
         model="default", messages=CHAT, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 
 import torch
@@ -37,6 +38,8 @@ from leapdecode.structured import StructuredOutputBackend, make_backend
 
 # the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
 SEQ_ID_SEP = "\x1f"
+# prompt positions scored per log-softmax when a request asks for its prompt's log-probabilities
+PROMPT_LOGPROB_ROWS = 64
 
 
 class KVCapacityError(ValueError):
@@ -129,6 +132,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
+        self._structured_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}  # decode_token's cache
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
@@ -193,8 +197,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if ids and max(ids) >= vocab:  # (min_tokens masks the stop ids: out of range would fail the step)
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -232,7 +237,9 @@ class LLMEngine:
     def structured_backend(self) -> StructuredOutputBackend:
         """The grammar engine, made (tokenizer compiled) on the first request that asks for structured output."""
         if self._structured is None:
-            self._structured = make_backend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            with self._structured_lock:  # the server's worker threads may ask at once (they compile ahead)
+                if self._structured is None:
+                    self._structured = make_backend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._structured
 
     def abort_request(self, request_id: str) -> None:
@@ -420,11 +427,16 @@ class LLMEngine:
         model's raw logits (no processors apply to the prompt)."""
         assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
         m = logits.shape[0]
-        targets = seq.token_ids[start + 1 : start + 1 + m]
-        entries = position_logprobs(
-            torch.log_softmax(logits.float(), dim=-1), targets, seq.params.prompt_logprobs, self.decode_token
-        )
-        seq.prompt_logprobs[start + 1 : start + 1 + m] = entries
+        # a few rows at a time: a whole prefill chunk's float32 log-softmax (and its rank comparison) would hold
+        # several [rows, vocab] copies at once (gigabytes for a 2k-token chunk of a 150k vocabulary)
+        for lo in range(0, m, PROMPT_LOGPROB_ROWS):
+            hi = min(m, lo + PROMPT_LOGPROB_ROWS)
+            targets = seq.token_ids[start + 1 + lo : start + 1 + hi]
+            entries = position_logprobs(
+                torch.log_softmax(logits[lo:hi].float(), dim=-1), targets, seq.params.prompt_logprobs,
+                self.decode_token,
+            )
+            seq.prompt_logprobs[start + 1 + lo : start + 1 + hi] = entries
 
     def decode_token(self, token_id: int) -> str | None:
         """One token's text for log-probability entries (special tokens included), cached per id."""
@@ -463,7 +475,10 @@ class LLMEngine:
             if seq.grammar is not None and not seq.grammar.accept(tok):
                 raise RuntimeError(f"token {tok} broke request {seq.group_id!r}'s grammar although it was masked")
             if m.num_output_tokens < p.min_tokens:
-                pass  # no stop condition before min_tokens (stop tokens are masked until then)
+                # no stop condition before min_tokens (stop tokens are masked until then); the text moves on, so
+                # a stop string in it is not found later by the first check of an accepted run past min_tokens
+                if p.stop_list:
+                    seq.detokenizer.append(seq.output_token_ids)
             elif tok in seq.stop_ids:
                 seq.finish_reason = "stop"
                 seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ class ChoiceSnapshot:
     token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: str | int | None
-    logprobs: tuple[PositionLogprobs, ...] | None = None
+    logprobs: Sequence[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,10 +81,10 @@ class StreamOutput:
 
     request_id: str
     choices: tuple[ChoiceSnapshot, ...]
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
     finished: bool
     metrics: RequestMetrics
-    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
+    prompt_logprobs: Sequence[PositionLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,17 +103,18 @@ class StreamOutput:
                 token_ids=tuple(c.token_ids),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
-                logprobs=None if c.logprobs is None else tuple(c.logprobs),  # the engine's list keeps growing
+                logprobs=c.logprobs,  # the engine's make_output copied its growing list: ours alone
             )
             for c in out.outputs
         )
         return cls(
             request_id=out.request_id,
             choices=choices,
-            prompt_token_ids=tuple(out.prompt_token_ids),
+            # (fresh lists from make_output, never touched again: no second O(prompt) copy per step)
+            prompt_token_ids=out.prompt_token_ids,
             finished=out.finished,
             metrics=dataclasses.replace(out.metrics),  # the engine keeps mutating its own copy
-            prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
+            prompt_logprobs=out.prompt_logprobs,
         )
 
 
@@ -400,7 +401,9 @@ class AsyncEngine:
                     out.append((rid, e))
                 except Exception as e:
                     logger.exception("add_request failed")
-                    out.append((rid, EngineStepError(f"the engine could not add the request: {e}")))
+                    # the client gets the kind only: the message may name server paths (the log has it whole)
+                    why = f"the engine could not add the request ({type(e).__name__}); the server log has the details"
+                    out.append((rid, EngineStepError(why)))
             elif cmd[0] == "abort":
                 eng.abort_request(cmd[1])
         if eng.has_unfinished_requests():
@@ -410,7 +413,8 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting %d running request(s)", len(eng.requests))
                 for rid in list(eng.requests):
                     eng.abort_request(rid)
-                    out.append((rid, EngineStepError(f"the engine step failed: {type(e).__name__}: {e}")))
+                    why = f"the engine step failed ({type(e).__name__}); the server log has the details"
+                    out.append((rid, EngineStepError(why)))
             else:
                 out.extend((r.request_id, StreamOutput.from_output(r)) for r in results)
         self._publish()

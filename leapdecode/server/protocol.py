@@ -108,6 +108,7 @@ MIN_TOP_P = 1e-6
 # the engine scans every stop string after every token: 200,000 of them (well within the body limit) cost ~50 ms
 # per token of the one engine thread, stalling every other request; OpenAI allows 4, 64 serves any real use
 MAX_STOP_STRINGS = 64
+MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id of any vocabulary
 
 
 class StreamOptions(BaseModel):
@@ -174,8 +175,10 @@ class _SamplingRequest(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
-                raise APIError(f"logit_bias keys must be token ids (digits), got {key!r}", param="logit_bias")
+            # ASCII digits only: str.isdigit() also takes "²" (int() refuses it) and other scripts' digits; a key
+            # longer than any vocabulary's ids would hit int()'s digit limit
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+                raise APIError(f"logit_bias keys must be token ids (digits), got {key[:32]!r}", param="logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -302,6 +305,9 @@ class ChatCompletionRequest(_SamplingRequest):
 # one prompt of /v1/completions: a text, or token ids
 PromptInput = StrictStr | Annotated[list[JsonInt], Field(min_length=1)]
 MAX_PROMPTS = 256  # prompts per /v1/completions request (each is one engine request)
+# completions one /v1/completions request may ask for (prompts x n): each is an engine sequence holding its own
+# copy of its prompt, so 256 prompts x n=128 would be 32,768 sequences from one body
+MAX_CHOICES = 1024
 
 
 class CompletionRequest(_SamplingRequest):
@@ -332,6 +338,12 @@ class CompletionRequest(_SamplingRequest):
             raise APIError("best_of is not supported (other than equal to n)", param="best_of")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
+        if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
+            raise APIError(
+                f"{len(self.prompts())} prompts x n={self.n} asks for more than {MAX_CHOICES} completions in one "
+                "request; split the batch",
+                param="n",
+            )
         if self.max_tokens == 0 and not self.echo:
             raise APIError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo", param="max_tokens")
 

@@ -193,6 +193,7 @@ class Serving:
         if req.top_k is not None and req.top_k > vocab:
             raise P.APIError(f"top_k must be -1 or in [1, {vocab}], got {req.top_k}", param="top_k")
         self.check_token_ids(list(req.token_bias() or ()), "logit_bias")
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         bm = self.engine.block_manager
         capacity = bm.num_blocks * bm.block_size
         default_max = max(1, min(max_len, capacity) - n_prompt)
@@ -203,10 +204,25 @@ class Serving:
             raise P.APIError(str(e), param=m.group(1) if m else None) from None
 
     # ---------------------------------------------------------------------------------------------- engine
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's output grammar in a worker thread (the grammar engine caches it by its spec), so
+        that the engine thread finds it ready when it adds the request instead of stalling every stream while a
+        schema compiles; a grammar that does not compile, or a server without the grammar engine, is a 400."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(lambda: self.engine.structured_backend().matcher(spec))
+        except ImportError as e:
+            raise P.APIError(str(e), code="structured_output_unavailable") from None
+        except ValueError as e:
+            raise P.APIError(str(e)) from None
+
     async def submit(
         self, tokens: list[int], params: SamplingParams, prompt: str | None, prompt_param: str
     ) -> RequestStream:
         """Hand the request to the engine loop; a full queue or a stopped engine is a 503, a refusal a 400."""
+        await self.compile_grammar(params)
         try:
             return await self.aengine.add_request(tokens, params, prompt)
         except QueueFullError as e:

@@ -8,9 +8,10 @@ generation (``StructuredOutputsParams``).
 * ``tools`` + ``tool_choice``: ``"required"`` constrains the output to a JSON list of one or more calls
   ``[{"name": <a tool's name>, "parameters": <its parameters>}]``; a named function (``{"type": "function",
   "function": {"name"}}``) constrains it to that function's parameters (compact JSON either way). The answer
-  carries them as ``tool_calls`` with ``finish_reason: "tool_calls"``. ``"none"`` generates text. ``"auto"`` (the
-  default when ``tools`` are given) would need the model's own tool-call syntax, which is model-specific: it is
-  refused with a 400 that says what to send instead, never silently treated as text.
+  carries them as ``tool_calls`` (``finish_reason: "tool_calls"``, ``"stop"`` for a named function). ``"none"``
+  generates text. ``"auto"`` (the default when ``tools`` are given) would need the model's own tool-call syntax,
+  which is model-specific: it is refused with a 400 that says what to send instead, never silently treated as
+  text.
 """
 
 from __future__ import annotations

@@ -354,12 +354,13 @@ class Speculator:
         if "ngram" in self.proposers:
             self.state(seq, "ngram").acceptance_ema = hit_rate
 
-    def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor]:
+    def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor | None]:
         """Emitted tokens, the number of drafts accepted and the processed logits of the rows the emitted tokens
-        were drawn at (for log-probabilities), from the target logits at the drafts' positions with the request's
-        processors applied at each (the tokens before a position include the drafts before it); then the one
-        bookkeeping path for chains and trees: metrics, the drafter's γ (chains), the drafter's own roll-back
-        (``on_verified``) and the row whose hidden state the drafters observe next."""
+        were drawn at (for log-probabilities; None when the request asked for none), from the target logits at
+        the drafts' positions with the request's processors applied at each (the tokens before a position
+        include the drafts before it); then the one bookkeeping path for chains and trees: metrics, the drafter's
+        γ (chains), the drafter's own roll-back (``on_verified``) and the row whose hidden state the drafters
+        observe next."""
         t0 = time.perf_counter()
         st = seq.draft_state
         assert st.method is not None, "verify() of a sequence that did not draft"
@@ -369,7 +370,8 @@ class Speculator:
             tokens, path, logits = self._walk_tree(seq, res, prop, st.tree_parents)
             self._compact(seq, path)
             accepted, hidden_row = len(path), (path[-1] + 1 if path else 0)
-            drawn = logits[[0] + [i + 1 for i in path]]
+            # a gathered copy: made only for a request that reports log-probabilities
+            drawn = logits[[0] + [i + 1 for i in path]] if seq.params.logprobs is not None else None
         else:
             tokens, accepted, logits = self._walk_chain(seq, res, prop)
             path, hidden_row = list(range(accepted)), accepted

@@ -8,6 +8,7 @@ grammars are cached by their spec.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class XGrammarBackend(StructuredOutputBackend):
         self._vocab = vocab_size
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._cache: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()  # compiling and evicting (lookups read the dict without it)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         kind, spec = params.key()
@@ -68,16 +70,21 @@ class XGrammarBackend(StructuredOutputBackend):
         return c.compile_grammar(spec)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A matcher for ``params``' grammar, compiled once per spec. Thread-safe: the server compiles in worker
+        threads ahead of the engine thread, which then finds the grammar cached (a hit takes no lock)."""
         key = params.key()
         compiled = self._cache.get(key)
         if compiled is None:
-            try:
-                compiled = self._compile(params)
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise ValueError(f"structured_outputs.{key[0]} does not compile: {e}") from None
-            if len(self._cache) >= CACHE_ENTRIES:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = compiled
+            with self._lock:
+                compiled = self._cache.get(key)
+                if compiled is None:
+                    try:
+                        compiled = self._compile(params)
+                    except (RuntimeError, ValueError, TypeError) as e:
+                        raise ValueError(f"structured_outputs.{key[0]} does not compile: {e}") from None
+                    if len(self._cache) >= CACHE_ENTRIES:
+                        self._cache.pop(next(iter(self._cache)))
+                    self._cache[key] = compiled
         return XGrammarMatcher(compiled, self._vocab, self._shifts)
 
 

@@ -2,8 +2,8 @@
 
 ``logprobs``/``top_logprobs`` add OpenAI's chat log-probabilities; ``response_format`` constrains the text;
 ``tools`` with ``tool_choice`` ``"required"`` or a named function constrain the output to the tools' JSON schemas
-and answer ``tool_calls`` with ``finish_reason: "tool_calls"`` (see :mod:`leapdecode.server.tools`; streamed, the
-calls come whole in the choice's last chunk).
+and answer ``tool_calls`` (``finish_reason: "tool_calls"``; ``"stop"`` for a named function, as OpenAI's API does;
+see :mod:`leapdecode.server.tools`; streamed, the calls come whole in the choice's last chunk).
 """
 
 from __future__ import annotations
@@ -26,11 +26,33 @@ ToolConstraint = Tool | Literal["required"] | None
 
 def answer(c: ChoiceSnapshot, tool: ToolConstraint) -> tuple[str | None, list[ToolCall] | None, str | None]:
     """``(content, tool_calls, finish_reason)`` of a finished choice: a complete constrained output becomes tool
-    calls (finish reason ``tool_calls``); one cut short by ``max_tokens`` stays text."""
+    calls; one cut short by ``max_tokens`` stays text. As in OpenAI's API, the finish reason of calls is
+    ``tool_calls`` under ``"required"`` and ``stop`` under a named function (the client forced that call)."""
     calls = parse_tool_calls(c.text, tool) if tool is not None else None
     if calls is None:
         return c.text, None, c.finish_reason
-    return None, calls, "tool_calls"
+    return None, calls, "tool_calls" if tool == "required" else "stop"
+
+
+def delta_content(delta: Delta, tool: ToolConstraint) -> tuple[dict[str, Any], str | None] | None:
+    """A streamed chunk's ``delta`` object and finish reason; None when nothing goes out for ``delta`` (a tool
+    call still being generated: the calls go out whole, once the choice has finished)."""
+    content: dict[str, Any] = {"role": "assistant", "content": ""} if delta.first else {}
+    reason = delta.finish_reason
+    c = delta.choice
+    if tool is not None and c is not None:
+        if reason is None:
+            return None
+        text, calls, reason = answer(c, tool)
+        if calls is not None:
+            content["tool_calls"] = [
+                P.ToolCallDelta(index=i, **call.model_dump()).model_dump() for i, call in enumerate(calls)
+            ]
+        elif text:
+            content["content"] = text
+    elif delta.text:
+        content["content"] = delta.text
+    return content, reason
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
@@ -70,21 +92,10 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             return formatter.chat(c.token_ids[start:], c.logprobs[start:], req.top_logprobs or 0)
 
         def chunk(delta: Delta) -> dict[str, Any] | None:
-            content: dict[str, Any] = {"role": "assistant", "content": ""} if delta.first else {}
-            reason = delta.finish_reason
+            if (got := delta_content(delta, tool)) is None:
+                return None
+            content, reason = got
             c = delta.choice
-            if tool is not None and c is not None:  # the calls go out whole, once the choice has finished
-                if reason is None:
-                    return None
-                text, calls, reason = answer(c, tool)
-                if calls is not None:
-                    content["tool_calls"] = [
-                        P.ToolCallDelta(index=i, **call.model_dump()).model_dump() for i, call in enumerate(calls)
-                    ]
-                elif text:
-                    content["content"] = text
-            elif delta.text:
-                content["content"] = delta.text
             lp = logprobs(c, 0 if tool is not None else delta.tokens_from) if c is not None else None
             d = P.ChatCompletionChunk(
                 id=rid,

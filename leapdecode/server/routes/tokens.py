@@ -34,7 +34,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         except Exception as e:
             why = not_unicode(texts) or str(e)
             raise P.APIError(f"could not tokenize: {why}", param="messages" if chat else "prompt") from None
-        strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        # off the event loop too: a body near the size limit is millions of tokens
+        strs = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, tokens) if req.return_token_strs else None
         answer = P.TokenizeResponse(
             count=len(tokens), max_model_len=serving.engine.max_model_len, tokens=tokens, token_strs=strs
         )
