@@ -155,7 +155,7 @@ main() {
 
     # the CPU kernels' extension builds when the tests import tests/test_gguf_types.py (test_gpu_weights needs its
     # GGUF writer): start that build now, beside the model's creation, instead of in the tests' time
-    "$PY" -c "from leapdecode.layers import small_gemm; small_gemm.load_kernel()" >"$NOTES/cpu_kernels.txt" 2>&1 &
+    "$PY" -c "from leapdecode.kernels import extension; extension.load_kernel()" >"$NOTES/cpu_kernels.txt" 2>&1 &
 
     section "model"
     BENCH_EXTRA=()

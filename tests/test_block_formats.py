@@ -8,10 +8,11 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 from leapdecode.layers.block_formats import KIND_OF_TYPE, KINDS, TYPE_IDS, QuantizedWeight
 
-pytestmark = pytest.mark.skipif(small_gemm.load_kernel() is None, reason="CPU kernel unavailable")
+pytestmark = pytest.mark.skipif(extension.load_kernel() is None, reason="CPU kernel unavailable")
 
 # byte offsets of each block's fp16 scale fields: random bytes elsewhere are valid codes and packed sub-scales
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
@@ -77,7 +78,7 @@ def test_fused_parts_of_different_kinds_keep_their_own_records():
              QuantizedWeight.from_gguf(parts[3:])]
     y = torch.cat([small_gemm.packed_linear(x, a.int8_activation_records(), None) for a in alone], dim=1)
     assert torch.equal(small_gemm.packed_linear(x, int8, None), y)
-    assert small_gemm.int8_activation_layout(int8) and not small_gemm.int8_activation_layout(qw.records)
+    assert int8_gemm.int8_activation_layout(int8) and not int8_gemm.int8_activation_layout(qw.records)
     assert [tuple(s.shape) for s in small_gemm.segments_of(int8)] == [(3, 1, 38, 64), (1, 1, 53, 64), (1, 8, 9, 64)]
     assert qw.select_rows(torch.arange(16)) is None
     same = QuantizedWeight.from_gguf(parts[:1] * 2)  # parts of one kind keep it
@@ -119,7 +120,7 @@ def test_int8_activation_records_match_their_q4_or_q8_form(type_name):
     if type_name == "Q4_K":
         assert packed.shape == (n // 16, k // 256, 38, 64)
         assert torch.equal(y, small_gemm.packed_linear(x, qw.to_block_quantized().pack_int8_activations(), None))
-    bq = qw.to_block_quantized() or small_gemm.BlockQuantized.quantize_q8(qw.dequantize())
+    bq = qw.to_block_quantized() or int8_gemm.BlockQuantized.quantize_q8(qw.dequantize())
     w = qw.dequantize().reshape(n, k // 32, 32)
     err = (bq.dequantize().reshape(n, k // 32, 32) - w).abs()
     assert (err <= w.abs().amax(-1, keepdim=True) * (0.5 + 127 / 2048) / 127 + 1e-7).all()
@@ -151,12 +152,12 @@ def test_int8_activation_layouts_keep_the_files_own_codes(type_name, lines, span
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     for m in (1, 3, 8, 9):
         assert torch.equal(small_gemm.packed_linear(x[:m], packed, None), y[:m])
-    assert small_gemm.A8_KIND_OF_LINES[lines] == qw.kind
+    assert int8_gemm.A8_KIND_OF_LINES[lines] == qw.kind
 
 
 def test_python_and_kernel_agree_on_each_types_record_kind():
     """The loader plans with KIND_OF_TYPE (``plan`` needs no kernel); the kernel repacks by its own table."""
-    ext = small_gemm.load_kernel()
+    ext = extension.load_kernel()
     for type_name, kind in KIND_OF_TYPE.items():
         assert ext.natural_kind(TYPE_IDS[type_name]) == KINDS.index(kind), type_name
     assert ext.natural_kind(0) == -1  # F32 is no record kind

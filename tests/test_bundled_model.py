@@ -12,6 +12,7 @@ import torch
 from leapdecode import LLM, SamplingParams
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
+from leapdecode.kernels import extension
 from leapdecode.models.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def test_decoding_reads_the_checkpoints_own_blocks(bundled_llm: LLM) -> None:
     row order of the blocks."""
     from leapdecode.layers import small_gemm
 
-    if small_gemm.load_kernel() is None:
+    if extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernel")
     model = bundled_llm.engine.model
     assert small_gemm.packed_formats(model) == {"q4h": 4 * 30, "q8": 1}
@@ -108,7 +109,7 @@ def test_llama_cpp_q4_k_m_file_matches_hf() -> None:
 
     llm = LLM(model=str(SHARED_Q4_K_M), kv_cache_blocks=256)
     formats = small_gemm.packed_formats(llm.engine.model)
-    if small_gemm.load_kernel() is not None:
+    if extension.load_kernel() is not None:
         assert set(formats) == {"q8", "q4k", "q6k"} and sum(formats.values()) == 4 * 30 + 1, formats
     hf = hf_from_gguf(SHARED_Q4_K_M)
     params = SamplingParams(temperature=0.0, max_tokens=32)

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import attention_rows, int8_kv, layer_ops
 
-ext = small_gemm.load_kernel()
+ext = extension.load_kernel()
 pytestmark = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernels")
 
 
@@ -16,11 +17,11 @@ pytestmark = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build t
 def test_rms_norm_matches_torch_and_rows_are_independent(rows: int, dim: int) -> None:
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, dim, generator=g) * 3, torch.randn(dim, generator=g)
-    y = small_gemm.rms_norm(x, w, 1e-5)
+    y = layer_ops.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y, F.rms_norm(x, (dim,), w, 1e-5), rtol=1e-5, atol=1e-6)
-    assert torch.equal(small_gemm.rms_norm(x[-1:].contiguous(), w, 1e-5), y[-1:])
+    assert torch.equal(layer_ops.rms_norm(x[-1:].contiguous(), w, 1e-5), y[-1:])
     xg = x.clone().requires_grad_()  # training keeps torch's differentiable op
-    small_gemm.rms_norm(xg, w, 1e-5).sum().backward()
+    layer_ops.rms_norm(xg, w, 1e-5).sum().backward()
     assert xg.grad is not None
 
 
@@ -51,12 +52,12 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
     spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     scale = head_dim**-0.5
     out = torch.full_like(q, 7.0)
-    small_gemm.attention_rows(q, k_cache, v_cache, rows, spans, torch.cat(lists), scale, out)
+    attention_rows.attention_rows(q, k_cache, v_cache, rows, spans, torch.cat(lists), scale, out)
     for r, slots in zip(rows.tolist(), lists, strict=True):
         torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots, scale, group), rtol=1e-5,
                                    atol=2e-6)
         alone = torch.empty_like(q)
-        small_gemm.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
+        attention_rows.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
                                   scale, alone)
         assert torch.equal(alone[r], out[r])
     untouched = sorted(set(range(t)) - set(rows.tolist()))
@@ -84,12 +85,12 @@ def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list
     ends = torch.tensor(lengths).cumsum(0)
     spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     out = torch.empty_like(q)
-    small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.arange(len(lengths)), spans, torch.cat(lists), 0.125,
+    attention_rows.attention_rows_i8(q, k_plane, v_plane, torch.arange(len(lengths)), spans, torch.cat(lists), 0.125,
                                  out)  # fmt: skip
     for r, slots in enumerate(lists):
         torch.testing.assert_close(out[r], _reference(q[r], k_deq, v_deq, slots, 0.125, group), rtol=1e-5, atol=2e-6)
         alone = torch.empty_like(q)
-        small_gemm.attention_rows_i8(q, k_plane, v_plane, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
+        attention_rows.attention_rows_i8(q, k_plane, v_plane, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
                                      0.125, alone)  # fmt: skip
         assert torch.equal(alone[r], out[r])
 
@@ -118,15 +119,15 @@ def test_attention_rows_rejects_bad_indices() -> None:
     k = torch.zeros(8, 1, 16)
     q, out = torch.zeros(2, 1, 16), torch.zeros(2, 1, 16)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 1]]), torch.tensor([8]), 1.0, out)
+        attention_rows.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 1]]), torch.tensor([8]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([[0, 1]]), torch.tensor([0]), 1.0, out)
+        attention_rows.attention_rows(q, k, k, torch.tensor([2]), torch.tensor([[0, 1]]), torch.tensor([0]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 0]]), torch.tensor([0]), 1.0, out)
+        attention_rows.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 0]]), torch.tensor([0]), 1.0, out)
     with pytest.raises(RuntimeError, match="out of range or sees no position"):  # a span past the slot list
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 2]]), torch.tensor([0]), 1.0, out)
+        attention_rows.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([[0, 2]]), torch.tensor([0]), 1.0, out)
     with pytest.raises(RuntimeError, match="spans"):  # the old cumulative-offsets form
-        small_gemm.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
+        attention_rows.attention_rows(q, k, k, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), 1.0, out)
 
 
 def test_attention_rows_causal_rows_share_one_slot_list() -> None:
@@ -138,12 +139,12 @@ def test_attention_rows_causal_rows_share_one_slot_list() -> None:
     q = torch.randn(9, 9, 64, generator=g)
     ends = torch.arange(32, 41)  # rows see positions 0 .. 31 + r
     shared = torch.empty_like(q)
-    small_gemm.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([torch.zeros_like(ends), ends], 1),
+    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([torch.zeros_like(ends), ends], 1),
                               slots, 0.125, shared)  # fmt: skip
     copies = torch.cat([slots[:e] for e in ends.tolist()])
     starts = torch.cat([torch.zeros(1, dtype=torch.long), ends.cumsum(0)[:-1]])
     separate = torch.empty_like(q)
-    small_gemm.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([starts, starts + ends], 1), copies,
+    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(9), torch.stack([starts, starts + ends], 1), copies,
                               0.125, separate)  # fmt: skip
     assert torch.equal(shared, separate)
     torch.testing.assert_close(shared[3], _reference(q[3], k_cache, v_cache, slots[:35], 0.125, 3), rtol=1e-5,
@@ -159,15 +160,15 @@ def test_rope_and_silu_mul_match_torch() -> None:
     qkv = torch.randn(t, (heads + 2) * d, generator=g)
     want = rotate(qkv[:, : heads * d].view(t, heads, d), rope)
     got = qkv.clone()
-    small_gemm.rope_(got, rope[0].view(t, d), rope[1].view(t, d), heads)
+    layer_ops.rope_(got, rope[0].view(t, d), rope[1].view(t, d), heads)
     torch.testing.assert_close(got[:, : heads * d].view(t, heads, d), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[:, heads * d :], qkv[:, heads * d :])  # the V part is left alone
     for width in (64, 40):  # whole vectors, and a scalar tail
         gu = torch.randn(3, 2 * width, generator=g) * 4
         gate, up = gu.split(width, dim=-1)
-        out = small_gemm.silu_mul(gu)
+        out = layer_ops.silu_mul(gu)
         torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
-        assert torch.equal(small_gemm.silu_mul(gu[1:2]), out[1:2])
+        assert torch.equal(layer_ops.silu_mul(gu[1:2]), out[1:2])
 
 
 def test_rotate_rows_matches_the_torch_basis_change() -> None:
@@ -179,8 +180,8 @@ def test_rotate_rows_matches_the_torch_basis_change() -> None:
     s = torch.rand(3, 64, generator=g) + 0.5
     r = rotation_matrix(64)
     want = (q.view(5, 3, 3, 64) * s.unsqueeze(1)).view(5, 9, 64) @ r
-    torch.testing.assert_close(small_gemm.rotate_rows(q, s, r, transpose=False), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(small_gemm.rotate_rows(q, None, r, transpose=True), q @ r.T, rtol=1e-5, atol=1e-5)
-    assert torch.equal(small_gemm.rotate_rows(q, None, None, transpose=False), q)
-    alone = torch.cat([small_gemm.rotate_rows(q[i : i + 1], s, r, transpose=False) for i in range(5)])
-    assert torch.equal(alone, small_gemm.rotate_rows(q, s, r, transpose=False))  # rows do not depend on each other
+    torch.testing.assert_close(int8_kv.rotate_rows(q, s, r, transpose=False), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(int8_kv.rotate_rows(q, None, r, transpose=True), q @ r.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(int8_kv.rotate_rows(q, None, None, transpose=False), q)
+    alone = torch.cat([int8_kv.rotate_rows(q[i : i + 1], s, r, transpose=False) for i in range(5)])
+    assert torch.equal(alone, int8_kv.rotate_rows(q, s, r, transpose=False))  # rows do not depend on each other

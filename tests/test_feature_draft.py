@@ -12,7 +12,7 @@ import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.cli import main
-from leapdecode.layers import small_gemm
+from leapdecode.layers import int8_gemm
 from leapdecode.models.loader import load_model
 from leapdecode.speculative.artifacts import load_adapter, save_adapter
 from leapdecode.speculative.exit_adapter import ExitAdapter
@@ -290,7 +290,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     activations: every packed record is the int8-activation layout and each weight equals its Q8_0
     dequantization. The exact draft is then only nearly exact (acceptance drops a little), and the output is
     still plain decoding's; "float32" keeps float panels; anything else is an error."""
-    if small_gemm.int8_activation_isa() in (None, "portable"):
+    if int8_gemm.int8_activation_isa() in (None, "portable"):
         pytest.skip("no fast int8 kernel on this CPU (AVX2 or AVX-512 VNNI): drafting stays float32 (next test)")
     want = _tokens(plain1, PROMPTS, GREEDY)
     spec = _default_precision_spec(plain1, near_exact["exact"])
@@ -299,7 +299,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
     linears = [m for m in prop.adapter.modules() if hasattr(m, "packed")]
     assert len(linears) == 5 and all(m.packed.dim() == 4 for m in linears)  # fc, qkv, o, gate_up, down
     for m in linears:
-        assert torch.equal(m.weight, small_gemm.BlockQuantized.quantize_q8(m.weight).dequantize())
+        assert torch.equal(m.weight, int8_gemm.BlockQuantized.quantize_q8(m.weight).dequantize())
     assert _tokens(spec, PROMPTS, GREEDY) == want
     st = spec.engine.stats
     assert 0.5 * st["num_draft_tokens"] < st["num_accepted_tokens"] <= st["num_draft_tokens"]
@@ -314,7 +314,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
 def test_int8_drafting_falls_back_to_float32_without_a_fast_int8_kernel(plain1, near_exact, monkeypatch):
     """Without AVX2 the int8 kernel is a scalar reference loop, slower than float32: the default then drafts
     with float32 panels and says so, and the output is plain decoding's."""
-    monkeypatch.setattr(small_gemm, "int8_activation_isa", lambda: "portable")
+    monkeypatch.setattr(int8_gemm, "int8_activation_isa", lambda: "portable")
     spec = _default_precision_spec(plain1, near_exact["exact"])
     prop = spec.engine.speculator.proposer
     assert prop.draft_precision == "float32"

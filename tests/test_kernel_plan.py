@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
 from leapdecode.models import kernel_plan
 from leapdecode.models.llama import MLP, Attention, DecoderLayer, RMSNorm
 from leapdecode.models.loader import load_model
 
-needs_kernel = pytest.mark.skipif(small_gemm.load_kernel() is None, reason="no C++ toolchain to build the kernel")
+needs_kernel = pytest.mark.skipif(extension.load_kernel() is None, reason="no C++ toolchain to build the kernel")
 
 
 @needs_kernel
@@ -43,7 +43,7 @@ def test_a_layer_with_an_unpackable_projection_runs_op_by_op(tiny_model_dir) -> 
 
 
 def test_without_the_kernel_nothing_is_planned(tiny_model_dir, monkeypatch) -> None:
-    monkeypatch.setattr(small_gemm, "load_kernel", lambda required=False: None)
+    monkeypatch.setattr(extension, "load_kernel", lambda required=False: None)
     model, _ = load_model(tiny_model_dir)
     assert kernel_plan.use_kernels(model) == 0
     assert all(getattr(m, "packed", None) is None for m in model.modules())

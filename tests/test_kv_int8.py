@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from leapdecode.config import EngineConfig
 from leapdecode.engine.kv_cache import KVCache
-from leapdecode.layers import small_gemm, split_kv
+from leapdecode.kernels import extension
+from leapdecode.layers import decoder_stack, split_kv
 from leapdecode.layers.attention import SeqAttention, build_attention_metadata, paged_attention
 from leapdecode.layers.kv_quant import (
     QuantizedKV,
@@ -156,7 +157,7 @@ def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch
     slot_mapping = torch.cat([s.slots()[-1:] for s in seqs])
     meta = build_attention_metadata(seqs, slot_mapping, 3, torch.device("cpu"))
     assert (meta.groups[0].split is not None) == split
-    if kernel and small_gemm.load_kernel() is None:
+    if kernel and extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     got = paged_attention(q, k, v, k_plane, v_plane, meta, 0.125, use_kernel=kernel)  # kernel: int8 rows in C++
     for i, s in enumerate(seqs):
@@ -299,7 +300,7 @@ def test_engine_calibrates_at_start_up_and_returns_its_blocks(tiny_model_dir):
         EngineConfig(kv_calibration="yes")
 
 
-@pytest.mark.skipif(small_gemm.load_kernel() is None, reason="no C++ toolchain to build the kernel")
+@pytest.mark.skipif(extension.load_kernel() is None, reason="no C++ toolchain to build the kernel")
 @pytest.mark.parametrize("kv_dtype", ["int8", "auto"])
 def test_fused_layers_equal_the_per_op_path_bitwise(tiny_model_dir, monkeypatch, kv_dtype: str):
     """Decode and verification steps run all decoder layers in one C++ call (decoder_stack of decoder_layer, or
@@ -317,7 +318,7 @@ def test_fused_layers_equal_the_per_op_path_bitwise(tiny_model_dir, monkeypatch,
     layers = [m for m in eng.model.modules() if isinstance(m, DecoderLayer)]
     calls = {"stack": 0, "layer": 0}
     layer_fn = "decoder_layer_i8" if kv_dtype == "int8" else "decoder_layer"
-    real_stack, real_layer = small_gemm.decoder_stack, getattr(small_gemm, layer_fn)
+    real_stack, real_layer = decoder_stack.decoder_stack, getattr(decoder_stack, layer_fn)
 
     def count(kind, real):
         def counted(*args):
@@ -326,8 +327,8 @@ def test_fused_layers_equal_the_per_op_path_bitwise(tiny_model_dir, monkeypatch,
 
         return counted
 
-    monkeypatch.setattr(small_gemm, "decoder_stack", count("stack", real_stack))
-    monkeypatch.setattr(small_gemm, layer_fn, count("layer", real_layer))
+    monkeypatch.setattr(decoder_stack, "decoder_stack", count("stack", real_stack))
+    monkeypatch.setattr(decoder_stack, layer_fn, count("layer", real_layer))
     prompt = list(range(300, 330))
     steps = [[5], [6], [7, 8, 9, 10], [11]]  # decode, decode, a 4-token verification, decode
 

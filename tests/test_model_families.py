@@ -19,7 +19,8 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
-from leapdecode.layers import small_gemm, split_kv
+from leapdecode.kernels import extension
+from leapdecode.layers import decoder_stack, split_kv
 from leapdecode.models import kernel_plan
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.loader import load_model
@@ -57,7 +58,7 @@ def _hf_logits(folder: Path, tokens: list[int], gguf: str | None = None) -> torc
 def _ours(source: Path, kernels: bool, schedule: list[list[int]], tokens: list[int]) -> torch.Tensor:
     model, cfg = load_model(source, keep_blocks=False)
     if kernels:
-        if small_gemm.load_kernel() is None:
+        if extension.load_kernel() is None:
             pytest.skip("no C++ toolchain to build the kernels")
         assert kernel_plan.use_kernels(model) > 0
     kv = KVCache(cfg, 64, 4, torch.float32, torch.device("cpu"))
@@ -113,7 +114,7 @@ def test_split_kv_reads_only_the_window(family_dirs, monkeypatch, family: str) -
 def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str) -> None:
     """Every matrix in Q8_0 (Phi-3's fused q/k/v and gate/up, Gemma's tied embedding included): the model that
     keeps the file's blocks gives the logits of the same file dequantised to float32."""
-    if small_gemm.load_kernel() is None:
+    if extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     from transformers import AutoModelForCausalLM
 
@@ -136,13 +137,13 @@ def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str)
 def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monkeypatch, family: str) -> None:
     """Decode and verification steps run every layer in one C++ call (decoder_stack: Llama's layout, or the
     normed one of Qwen3 and Gemma 3 with its global and windowed layers); the logits are the per-op path's bits."""
-    if small_gemm.load_kernel() is None:
+    if extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     model, cfg = load_model(family_dirs[family], keep_blocks=False)
     assert kernel_plan.use_kernels(model) > 0
     calls: list[int] = []
-    real = small_gemm.decoder_stack
-    monkeypatch.setattr(small_gemm, "decoder_stack", lambda *args: calls.append(1) or real(*args))
+    real = decoder_stack.decoder_stack
+    monkeypatch.setattr(decoder_stack, "decoder_stack", lambda *args: calls.append(1) or real(*args))
     tokens = _tokens(38, seed=2)
     steps = [[20]] + [[1]] * 6 + [[4]] + [[1]] * 8  # a prompt chunk (op by op), then 15 fused steps
     outs = []

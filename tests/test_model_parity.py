@@ -20,7 +20,7 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
 from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model
 from leapdecode.sampling_params import SamplingParams
@@ -111,7 +111,7 @@ def model_pair(tmp_path_factory) -> Callable[[str], Pair]:
             hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
             cache[name, False] = Pair(d, ours, hf)
         if kernels and (name, True) not in cache:
-            if small_gemm.load_kernel() is None:
+            if extension.load_kernel() is None:
                 pytest.skip("no C++ toolchain to build the kernels")
             base = cache[name, False]
             ours, _ = load_model(base.path)

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 from leapdecode.layers.block_formats import RECORD_BYTES, QuantizedWeight
 from leapdecode.layers.linear import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 from leapdecode.models import kernel_plan
 
-ext = small_gemm.load_kernel()
+ext = extension.load_kernel()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no C++ toolchain to build the kernel")
 
 
@@ -75,7 +76,7 @@ def test_q8_quantizer_writes_ggufs_own_blocks() -> None:
         w[0, :32] = 0
         raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
         ref = QuantizedWeight.from_gguf([("Q8_0", raw, (48, 96))]).to_block_quantized()
-        mine = small_gemm.BlockQuantized.quantize_q8(w)
+        mine = int8_gemm.BlockQuantized.quantize_q8(w)
         assert torch.equal(mine.q, ref.q) and torch.equal(mine.scale, ref.scale)
 
 

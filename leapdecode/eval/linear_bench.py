@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 
 
 def _median_ms_per_matrix(fn, n_mats: int, repeats: int) -> float:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    ext = small_gemm.load_kernel(required=True)
+    ext = extension.load_kernel(required=True)
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(a.out_features, a.in_features, generator=g) for _ in range(a.matrices)]
     packed = [small_gemm.pack(w) for w in weights]
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from gguf import GGMLQuantizationType, quants
 
         raw = quants.quantize(weights[0].numpy(), getattr(GGMLQuantizationType, fmt))
-        bq = small_gemm.BlockQuantized.from_gguf(fmt, np.asarray(raw), (a.out_features, a.in_features))
+        bq = int8_gemm.BlockQuantized.from_gguf(fmt, np.asarray(raw), (a.out_features, a.in_features))
         one = bq.pack()
         copies = a.matrices * weights[0].numel() * 4 // one.numel()  # the same bytes as the float32 set
         blocks[fmt] = (kernel, [one.clone() for _ in range(copies)], bq.dequantize(), one.numel() / 1e6)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from leapdecode.layers import small_gemm, split_kv, triton_attention
+from leapdecode.layers import attention_rows, int8_kv, split_kv, triton_attention
 from leapdecode.layers.kv_quant import KVPlane, QuantizedKV, read_kv_range, read_kv_slots, write_kv
 
 # New-token count up to which sequences are batched into one padded attention call.
@@ -315,7 +315,7 @@ def _paged_attention(
     float_rows = (isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype == torch.float32
                   and k_cache.device.type == "cpu")  # fmt: skip
     int8_rows = (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV) and q.dtype == torch.float32
-                 and small_gemm.int8_kv_kernels(k_cache))  # fmt: skip
+                 and int8_kv.int8_kv_kernels(k_cache))  # fmt: skip
     if use_kernel and (float_rows or int8_rows):
         # few-row groups (decode, drafts, trees) in one C++ call, each row alone: bit-identical across batchings
         kernel_rows = meta.kernel_rows()
@@ -328,9 +328,9 @@ def _paged_attention(
     if kernel_rows is not None:
         out = torch.empty_like(q)
         if int8_rows:  # reads the int8 rows themselves: ~3.6x fewer bytes than a float32 cache
-            small_gemm.attention_rows_i8(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
+            attention_rows.attention_rows_i8(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
         else:
-            small_gemm.attention_rows(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
+            attention_rows.attention_rows(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
         groups = [g for g in groups if g.seqs is None or g.split is not None]
     elif triton_rows is not None:  # few-row groups in one launch over the block tables (split-KV inside)
         out = torch.empty_like(q)

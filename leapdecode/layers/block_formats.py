@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 
 # ggml type ids -> names, of the types computed from their blocks; F32/F16/BF16 are float weights
 GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
@@ -57,7 +58,7 @@ def _nibble_codes(pairs: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def _ext():
-    ext = small_gemm.load_kernel()
+    ext = extension.load_kernel()
     if ext is None:
         raise RuntimeError("GGUF weights kept in their blocks need the CPU kernel, which could not be built")
     return ext
@@ -170,7 +171,7 @@ class QuantizedWeight:
             return torch.cat([header, codes], dim=-1).reshape(n // 16, k // 256, -1, 64).contiguous()
         if self.kind == "q6k":
             return self._q6k_int8_activation_records()
-        bq = self.to_block_quantized() or small_gemm.BlockQuantized.quantize_q8(self.dequantize())
+        bq = self.to_block_quantized() or int8_gemm.BlockQuantized.quantize_q8(self.dequantize())
         return bq.pack_int8_activations()
 
     def _q6k_int8_activation_records(self) -> torch.Tensor:
@@ -191,8 +192,8 @@ class QuantizedWeight:
         codes = torch.cat([nibble_lines, top_lines], dim=-1).reshape(n // 16, k // 256, 8 * 384)
         return torch.cat([self.records[:, :, :320], codes], dim=-1).reshape(n // 16, k // 256, -1, 64).contiguous()
 
-    def to_block_quantized(self) -> small_gemm.BlockQuantized | None:
-        """The q4 / q4k / q8 kinds as small_gemm.BlockQuantized (for the int8-activation layout, whose blocks
+    def to_block_quantized(self) -> int8_gemm.BlockQuantized | None:
+        """The q4 / q4k / q8 kinds as int8_gemm.BlockQuantized (for the int8-activation layout, whose blocks
         are 32 inputs with one scale and minimum); None for the others."""
         if self.kind not in ("q4", "q4h", "q4k", "q8"):
             return None
@@ -200,13 +201,13 @@ class QuantizedWeight:
         n, k = self.shape
         if self.kind == "q4k":  # per sub-block of 32: scale d * sc, minimum -(dmin * mq), as gguf computes them
             scale = (fields[0] * fields[2].float()).reshape(n, k // 32)
-            return small_gemm.BlockQuantized("q4", _nibble_codes(fields[4], n, k), scale,
+            return int8_gemm.BlockQuantized("q4", _nibble_codes(fields[4], n, k), scale,
                                              -(fields[1] * fields[3].float()).reshape(n, k // 32))
         if self.kind in ("q4", "q4h"):
             scale, minimum = (f[..., 0].float().contiguous() for f in fields[:2])  # q4h: the file's fp16
-            return small_gemm.BlockQuantized("q4", _nibble_codes(fields[2], n, k), scale, minimum)
+            return int8_gemm.BlockQuantized("q4", _nibble_codes(fields[2], n, k), scale, minimum)
         q = fields[1].view(torch.int8).reshape(n, k)
-        return small_gemm.BlockQuantized("q8", q.contiguous(), fields[0][..., 0].contiguous())
+        return int8_gemm.BlockQuantized("q8", q.contiguous(), fields[0][..., 0].contiguous())
 
 
 @dataclass

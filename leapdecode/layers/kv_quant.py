@@ -37,8 +37,8 @@ falls ~9x. Measured on SmolLM2-135M (16 MT-Bench prompts x 64 greedy tokens, tea
 against the float32 cache): per-token int8 1.0e-3; rotated 2.4e-4; rotated + calibrated mu + 16-channel groups
 1.05e-4; + smoothing s 7.4e-5 (top-1 agreement 99.9%). Calibration (engine/kv_calibration.py) runs at start-up.
 
-On CPU the write is one C++ call (``small_gemm.quantize_kv_rows``, the same arithmetic) and decode rows attend
-through ``small_gemm.attention_rows_i8``, which reads the int8 rows directly (kernels/attention_rows.cpp).
+On CPU the write is one C++ call (``int8_kv.quantize_kv_rows``, the same arithmetic) and decode rows attend
+through ``attention_rows.attention_rows_i8``, which reads the int8 rows directly (kernels/attention_rows.cpp).
 
 Float caches stay plain tensors; the helpers below dispatch on the type, so the float path costs one type
 check.
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from leapdecode.layers import small_gemm
+from leapdecode.layers import int8_kv
 
 QMAX = 127
 GROUP = 16  # channels per int8 scale
@@ -188,8 +188,8 @@ class QuantizedKV:
             g = x.view(q.shape[0], self.data.shape[1], -1, q.shape[-1])
             self.observed["q_count"] += g.shape[0] * g.shape[2]
             self.observed["q_sumsq"] += g.square().sum((0, 2))
-        if small_gemm.int8_kv_kernels(self) and q.dtype == torch.float32:  # the fused C++ layer's own routine
-            return small_gemm.rotate_rows(x, self.smooth, self.rotation, transpose=False)
+        if int8_kv.int8_kv_kernels(self) and q.dtype == torch.float32:  # the fused C++ layer's own routine
+            return int8_kv.rotate_rows(x, self.smooth, self.rotation, transpose=False)
         if self.smooth is not None:
             x = (x.view(q.shape[0], self.smooth.shape[0], -1, q.shape[-1]) * self.smooth.unsqueeze(1)).view(q.shape)
         return (x if self.rotation is None else x @ self.rotation).to(q.dtype)
@@ -198,16 +198,16 @@ class QuantizedKV:
         """Rows read from a value plane (or attention outputs over them), back in the model's basis."""
         if self.rotation is None:
             return x
-        if small_gemm.int8_kv_kernels(self) and x.dtype == torch.float32 and x.dim() == 3:
-            return small_gemm.rotate_rows(x, None, self.rotation, transpose=True)
+        if int8_kv.int8_kv_kernels(self) and x.dtype == torch.float32 and x.dim() == 3:
+            return int8_kv.rotate_rows(x, None, self.rotation, transpose=True)
         return (x.float() @ self.rotation.T).to(x.dtype)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize x [T, Hkv, D] (model basis) and store it at ``slots`` [T]."""
         if self.observed is not None:
             self._observe(x)
-        if small_gemm.int8_kv_kernels(self):  # the same arithmetic in one C++ call instead of ~12 torch ops
-            small_gemm.quantize_kv_rows(x, self, slots.to(torch.long).contiguous())
+        if int8_kv.int8_kv_kernels(self):  # the same arithmetic in one C++ call instead of ~12 torch ops
+            int8_kv.quantize_kv_rows(x, self, slots.to(torch.long).contiguous())
             return
         q, s = quantize(self.to_cache_basis(x), self.scale.shape[-1])
         self.data.index_copy_(0, slots, q)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from leapdecode.layers import small_gemm
+from leapdecode.kernels import extension
+from leapdecode.layers import int8_gemm, small_gemm
 from leapdecode.layers.linear import KernelWeight
 from leapdecode.models.llama import MLP, Attention, DecoderLayer, RMSNorm
 
@@ -98,7 +99,7 @@ def apply_plan(model: torch.nn.Module, plan: KernelPlan) -> int:
                 mod.quant = mod.block_quantized = None
     for name in (*plan.op_kernels, *plan.fused_layers):
         modules[name].use_kernel = True
-    if plan.int8_activations and any(small_gemm.int8_activation_layout(modules[n].packed) for n in plan.packed):
+    if plan.int8_activations and any(int8_gemm.int8_activation_layout(modules[n].packed) for n in plan.packed):
         model.int8_activations = True  # read by the model runner: prompts attend through the rows kernel too
     return len(plan.packed)
 
@@ -107,9 +108,9 @@ def use_kernels(model: torch.nn.Module, required: bool = False, use_blocks: bool
                 int8_activations: bool = False) -> int:
     """Plan and apply the kernel paths of ``model``; 0 (torch everywhere) when the kernel cannot be built (an
     error when ``required``)."""
-    if small_gemm.load_kernel(required) is None:
+    if extension.load_kernel(required) is None:
         return 0
-    if int8_activations and small_gemm.int8_activation_isa() == "portable":
+    if int8_activations and int8_gemm.int8_activation_isa() == "portable":
         warnings.warn("int8 activations on a CPU without AVX2 run a slow portable loop (exact, but several times "
                       "slower than float32)", stacklevel=2)
     return apply_plan(model, plan_kernels(model, use_blocks, int8_activations))
@@ -122,13 +123,13 @@ def use_int8_drafting(module: torch.nn.Module) -> int:
     AVX2; the target still verifies every token, so this changes acceptance only, never the output. Returns how
     many layers were packed: 0 when the kernel is unavailable or only its slow portable loop was built (no AVX2),
     where drafting stays float32 because int8 would make it slower."""
-    if small_gemm.int8_activation_isa() in (None, "portable"):
+    if int8_gemm.int8_activation_isa() in (None, "portable"):
         return 0
     for mod in module.modules():
         w = getattr(mod, "weight", None)
         if isinstance(mod, KernelWeight) and mod.packed is None and isinstance(w, torch.Tensor) \
                 and small_gemm.packable(w) and w.shape[1] % 32 == 0:
-            bq = small_gemm.BlockQuantized.quantize_q8(w)
+            bq = int8_gemm.BlockQuantized.quantize_q8(w)
             with torch.no_grad():
                 w.copy_(bq.dequantize())
             mod.block_quantized = bq

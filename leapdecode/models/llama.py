@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leapdecode.layers import small_gemm
+from leapdecode.layers import decoder_stack, int8_kv, layer_ops, small_gemm
 from leapdecode.layers.attention import AttentionMetadata, paged_attention
 from leapdecode.layers.kv_quant import QuantizedKV
 from leapdecode.layers.linear import (
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            return small_gemm.rms_norm(x, self.weight, self.eps)
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, d))
             qkv = torch.cat([q, k], dim=1).view(t, -1)  # the rotated part, laid out as in the fused projection
         if self.use_kernel and qkv.dtype == torch.float32:  # the C++ RoPE in place, as in the fused layer
-            small_gemm.rope_(qkv, rope[0].view(t, d), rope[1].view(t, d), nq + self.num_kv_heads)
+            layer_ops.rope_(qkv, rope[0].view(t, d), rope[1].view(t, d), nq + self.num_kv_heads)
             qk = qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, d)
         else:
             # q and k are adjacent in the fused projection: rotate them as one [T, heads + kv_heads, d] tensor
@@ -103,7 +103,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_kernel and gate_up.dtype == torch.float32 and not gate_up.requires_grad:
-            act = small_gemm.gelu_tanh_mul if self.act == "gelu_tanh" else small_gemm.silu_mul
+            act = layer_ops.gelu_tanh_mul if self.act == "gelu_tanh" else layer_ops.silu_mul
             return self.down_proj(act(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         if self.act == "gelu_tanh":
@@ -170,10 +170,10 @@ class DecoderLayer(nn.Module):
         caches, transforms = planes
         t = x.shape[0]
         if transforms:  # int8 planes
-            return small_gemm.decoder_layer_i8(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1),
+            return decoder_stack.decoder_layer_i8(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1),
                                                caches, transforms, meta.slot_mapping, *meta.kernel_rows(), heads,
                                                kv_heads, eps, scale)  # fmt: skip
-        return small_gemm.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), *caches,
+        return decoder_stack.decoder_layer(x.contiguous(), w, bias, rope[0].view(t, -1), rope[1].view(t, -1), *caches,
                                         meta.slot_mapping, *meta.kernel_rows(), heads, kv_heads, eps, scale)
 
 
@@ -187,7 +187,7 @@ def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         return ([k, v], []) if k.dtype == v.dtype == torch.float32 else None
     if not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.observed is None
-            and small_gemm.int8_kv_kernels(k)):
+            and int8_kv.int8_kv_kernels(k)):
         return None
     empty = k.scale.new_empty(0, dtype=torch.float32)
     transforms = [empty if a is None else a.contiguous() for a in (k.shift, k.smooth, k.rotation, v.rotation)]
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.local_rope_theta is not None and (cfg.local_rope_theta != cfg.rope_theta or cfg.rope_scaling):
             self.local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
         # per run of layers: its DecoderLayers and, once packed, their flattened C++ arguments (_layer_stack)
-        self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], small_gemm.StackWeights | None]] = {}
+        self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], decoder_stack.StackWeights | None]] = {}
 
     def forward(
         self,
@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
             ropes = [rope[0].view(t, -1), rope[1].view(t, -1), local[0].view(t, -1), local[1].view(t, -1)]
             global_rows = meta.kernel_rows() if not all(stack.weights.windowed) else ()
             local_rows = meta.for_window(stack.window).kernel_rows() if stack.window is not None else ()
-            x = small_gemm.decoder_stack(x.contiguous(), stack, ropes, meta.slot_mapping,
+            x = decoder_stack.decoder_stack(x.contiguous(), stack, ropes, meta.slot_mapping,
                                          [*(global_rows or local_rows), *(local_rows or global_rows)])
         else:
             for i in run:
@@ -256,8 +256,8 @@ class LlamaForCausalLM(nn.Module):
         return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
 
     def _layer_stack(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
-                     run: range) -> small_gemm.LayerStack | None:
-        """The arguments for running layers ``run`` in one C++ call (``small_gemm.decoder_stack``), or None when
+                     run: range) -> decoder_stack.LayerStack | None:
+        """The arguments for running layers ``run`` in one C++ call (``decoder_stack.decoder_stack``), or None when
         some layer of this step would not take the fused path (see ``DecoderLayer.forward``): a prefill chunk or
         split-KV rows, a layer without packed weights or with hooks, or a cache :func:`fused_kv` turns down.
         Weights are gathered once per run of layers; the caches are listed each step (cheap), so no cache outlives
@@ -274,14 +274,14 @@ class LlamaForCausalLM(nn.Module):
         if not all(layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
             return None  # (a layer with hooks must be called as a module, or its hooks would not run)
         if weights is None:  # gathered once every layer has its packed weights (kernel_plan.apply_plan)
-            weights = small_gemm.stack_weights([layer.fused_args() for layer in layers])
+            weights = decoder_stack.stack_weights([layer.fused_args() for layer in layers])
             self._stack_weights[key] = layers, weights
         planes = [fused_kv(kv_caches[i]) for i in run]
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
         if weights.norms and planes[0][1]:  # type: ignore[index]
             return None  # the normed layout runs over float32 caches only
-        return small_gemm.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
+        return decoder_stack.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
                                      [t for p in planes for t in p[1]],  # type: ignore[index]
                                      next(iter(windows - {None}), None))
 

@@ -24,9 +24,9 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from tqdm.auto import tqdm
 
+from leapdecode.kernels.extension import load_kernel
 from leapdecode.layers.block_formats import SUPPORTED_TYPES, QuantizedWeight
 from leapdecode.layers.linear import shard_quantized, shard_tensor
-from leapdecode.layers.small_gemm import load_kernel
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.gguf_file import GGUFFile
 from leapdecode.models.hub import is_repo_id, snapshot_path

@@ -1,0 +1,31 @@
+"""Python side of kernels/layer_ops.cpp: RMSNorm, RoPE and the gated activations as one C++ call each."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from leapdecode.kernels import extension
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one C++ call (kernels/layer_ops.cpp) for CPU float32 inference; torch's otherwise."""
+    if extension.ext is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        return extension.ext.rms_norm(x.contiguous(), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int) -> None:
+    """RoPE in place on the first ``num_heads`` heads of each row of a fused [T, W] QKV (layer_ops.cpp)."""
+    extension.ext.rope_(qkv, cos, sin_signed, num_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
+    return extension.ext.silu_mul(gate_up.contiguous())
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (GELU's tanh form) of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
+    return extension.ext.gelu_tanh_mul(gate_up.contiguous())
+
