@@ -72,12 +72,6 @@ struct A8Block {
     return A == A8_Q4K ? -(m * float(rec[256 + 16 * sb + j])) : m;
   }
   int sub_scale(int j, int h) const { return static_cast<int8_t>(rec[64 + 16 * (2 * sb + h) + j]); }  // Q6K
-  // bring this block's code lines and its scales (a super-block's header once, at its first block) into cache
-  void prefetch() const {
-    for (int64_t line = 0; line < code_bytes(); line += 64) __builtin_prefetch(codes() + line);
-    const int64_t header = a8_super(A) ? (sb == 0 ? codes() - rec : 0) : codes() - rec;
-    for (int64_t line = 0; line < header; line += 64) __builtin_prefetch(rec + line);
-  }
   template <typename T>
   T field(int64_t off) const {
     T v;
@@ -166,8 +160,9 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A> blk(base, b);
-    A8Block<A>(base, b + PREFETCH_RECORDS).prefetch();
+    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) __builtin_prefetch(ahead.codes() + line);
+    __builtin_prefetch(ahead.rec), __builtin_prefetch(ahead.rec + 64);
     const uint8_t* codes = blk.codes();
     __m512i i0[R], i1[R];  // two integer chains per row (even / odd quarter-lines) against vpdpbusd latency
     for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
@@ -217,8 +212,10 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b);
-    A8Block<A8_Q6K>(base, b + PREFETCH_RECORDS).prefetch();
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
     const uint8_t* codes = blk.codes();
     const int8_t* xb = xq + b * 32;
     __m512i ih[2][R];
@@ -298,8 +295,9 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   alignas(32) uint8_t wu[8][2][32];
   alignas(32) int8_t ws[8][2][32];
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A> blk(base, b);
-    A8Block<A>(base, b + PREFETCH_RECORDS).prefetch();
+    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) __builtin_prefetch(ahead.codes() + line);
+    __builtin_prefetch(ahead.rec), __builtin_prefetch(ahead.rec + 64);
     const uint8_t* codes = blk.codes();
     for (int h = 0; h < 2; ++h) {
       if (Q4) {
@@ -361,8 +359,10 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   alignas(32) uint8_t wu[8][2][32];  // u = q + 32 of input group v (inputs 4v .. 4v+3) per half line
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b);
-    A8Block<A8_Q6K>(base, b + PREFETCH_RECORDS).prefetch();
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
     const uint8_t* codes = blk.codes();
     for (int hh = 0; hh < 2; ++hh)
       for (int h = 0; h < 2; ++h) {
