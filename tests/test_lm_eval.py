@@ -17,7 +17,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from leapdecode import LLM  # noqa: E402
 from leapdecode.eval.lm_eval_task import write_task  # noqa: E402
 from leapdecode.server.api_server import build_app  # noqa: E402
-from tests.test_server import live_server  # noqa: E402
+from tests.server_helpers import live_server  # noqa: E402
 
 TASK = "leapdecode_test_mc"
 TOL = 2e-3  # per-choice log-likelihood, summed over a few tokens (see test_server_sampling.py)

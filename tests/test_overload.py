@@ -18,7 +18,7 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.engine.llm_engine import KVCapacityError
 from leapdecode.server.api_server import build_app
 from tests.conftest import assert_no_leaks
-from tests.test_server import live_server
+from tests.server_helpers import live_server
 
 BLOCKS = 4  # x 16 tokens: a 64-token pool under a 1024-token context
 PROMPT = "The quick brown fox"

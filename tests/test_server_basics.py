@@ -18,7 +18,7 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.server.api_server import build_app
 from leapdecode.server.serve import add_cli, load_llm, resolve_dtype
 from tests.conftest import assert_no_leaks
-from tests.test_server import live_server
+from tests.server_helpers import live_server
 
 KEY = "sk-test-0123"
 ORIGIN = "http://app.example"

@@ -27,7 +27,7 @@ from schemathesis import checks as st_checks  # noqa: E402
 from leapdecode import LLM  # noqa: E402
 from leapdecode.server.api_server import build_app  # noqa: E402
 from tests.conftest import assert_no_leaks  # noqa: E402
-from tests.test_server import live_server  # noqa: E402
+from tests.server_helpers import live_server  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LEAPDECODE_FUZZ_EXAMPLES", "60"))
 MAX_MODEL_LEN = 64  # a short context keeps every generated request fast: at most ~60 tokens of a tiny model

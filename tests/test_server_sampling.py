@@ -17,7 +17,7 @@ import torch
 from leapdecode import LLM, SamplingParams
 from leapdecode.server.api_server import build_app
 from tests.conftest import assert_no_leaks
-from tests.test_server import live_server
+from tests.server_helpers import live_server
 
 PROMPT = "The quick brown fox jumps over"
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
