@@ -29,6 +29,9 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from leapdecode.bench.report_plots import pyplot
 
 WAIT_ENV = {
     "leapdecode": {},  # leapdecode's own default: OpenMP's waits, the thread count tuned per step (ThreadTuner)
@@ -170,6 +173,26 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     return rows
 
 
+def write_plot(rows: list[Measurement], path: Path) -> None:
+    """tok/s of each configuration by the number of busy neighbours, as grouped bars (PNG)."""
+    plt = pyplot()
+    configs = list(dict.fromkeys((r.system, r.wait, r.threads) for r in rows))
+    hogs = sorted({r.hogs for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(configs)
+    for i, cfg in enumerate(configs):
+        speed = {r.hogs: r.tok_s for r in rows if (r.system, r.wait, r.threads) == cfg}
+        label = cfg[0] if cfg[1] in ("-", "leapdecode") and cfg[2] == "auto" else " ".join(cfg)
+        ax.bar([h + (i - (len(configs) - 1) / 2) * width for h in hogs], [speed.get(h, 0) for h in hogs], width,
+               label=label)
+    ax.set_xticks(hogs, [f"{h} busy" if h else "quiet" for h in hogs])
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m leapdecode.eval.contention", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: the bundled model)")
@@ -183,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hogs", default="0,1,2", help="busy neighbour counts; the first is the baseline (default 0,1,2)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per worker run")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--plot", default=None, help="also draw tok/s by busy neighbours to this PNG (needs matplotlib)")
     p.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-threads", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -202,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
+    if args.plot:
+        write_plot(rows, Path(args.plot))
     return 0
 
 
