@@ -16,7 +16,19 @@ import pytest
 from leapdecode import LLM
 from leapdecode.server.api_server import build_app
 from leapdecode.server.defaults import DEFAULT_MAX_REQUEST_BYTES
-from tests.server_helpers import CHAT, MAX_TOKENS, PROMPT, llm, refs, scrape, server, sync_client, wait_for_metric  # noqa: F401 (fixtures)
+from tests.server_helpers import (  # noqa: F401 (fixtures)
+    CHAT,
+    MAX_TOKENS,
+    PROMPT,
+    llm,
+    model_name,
+    one_torch_thread,
+    refs,
+    scrape,
+    server,
+    sync_client,
+    wait_for_metric,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_REQUESTS = [

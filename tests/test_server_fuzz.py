@@ -248,7 +248,7 @@ EDGES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "seed": 4.0, "temperature": 1.0, "max_tokens": 2}, 200, None),
     ("/v1/completions", {"prompt": "hi", "seed": -(2**63), "temperature": 1.0, "max_tokens": 2}, 200, None),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**63], "max_tokens": 2}, 200, None),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**63], "max_tokens": 2}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop": [], "max_tokens": 2}, 200, None),
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(64)], "max_tokens": 2}, 200, None),
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(200_000)]}, 400, "stop"),
