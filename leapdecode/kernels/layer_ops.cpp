@@ -57,11 +57,13 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64
     }
 }
 
-// silu(gate) * up for gate_up [T, 2I] -> [T, I]; silu(g) = g / (1 + e^-g)
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+// act(gate) * up for gate_up [T, 2I] -> [T, I], 16 outputs at a time; the last I % 16 run the same formula on a
+// broadcast, lane by lane, so no row depends on its width
+template <class Act>
+static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act act16) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
                   gate_up.size(1) % 2 == 0,
-              "silu_mul: contiguous float32 [T, 2I]");
+              name, ": contiguous float32 [T, 2I]");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
@@ -75,48 +77,25 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       v16f gv, uv;
       __builtin_memcpy(&gv, g + i, 64);
       __builtin_memcpy(&uv, u + i, 64);
-      v16f r = gv / (1.0f + exp16(v16f{} - gv)) * uv;
+      v16f r = act16(gv) * uv;
       __builtin_memcpy(o + i, &r, 64);
     }
-    for (; i < I; ++i) {  // same formula lane by lane (exp16 on a broadcast) so no row depends on its width
-      v16f e = exp16(v16f{} - g[i]);
-      o[i] = g[i] / (1.0f + e[0]) * u[i];
-    }
+    for (; i < I; ++i) o[i] = act16(v16f{} + g[i])[0] * u[i];
   }
   return out;
 }
 
-// gelu(gate) * up for gate_up [T, 2I] -> [T, I], GELU in its tanh form: g / 2 (1 + tanh(c (g + 0.044715 g^3))),
-// c = sqrt(2 / pi), with tanh(y) = 1 - 2 / (1 + e^2y) (exp16 saturates, so |y| large gives +-1)
+// silu(gate) * up; silu(g) = g / (1 + e^-g)
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  return gated_product(gate_up, "silu_mul", [](v16f g) { return g / (1.0f + exp16(v16f{} - g)); });
+}
+
+// gelu(gate) * up, GELU in its tanh form: g / 2 (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi), with
+// tanh(y) = 1 - 2 / (1 + e^2y) (exp16 saturates, so |y| large gives +-1)
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
-                  gate_up.size(1) % 2 == 0,
-              "gelu_tanh_mul: contiguous float32 [T, 2I]");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float c = 0.7978845608028654f, a = 0.044715f;
-  auto gelu16 = [&](v16f g) {
+  return gated_product(gate_up, "gelu_tanh_mul", [=](v16f g) {
     const v16f y = c * (g + a * g * g * g);
     return 0.5f * g * (2.0f - 2.0f / (1.0f + exp16(2.0f * y)));
-  };
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = gp + t * 2 * I;
-    const float* u = g + I;
-    float* o = op + t * I;
-    int64_t i = 0;
-    for (; i + 16 <= I; i += 16) {
-      v16f gv, uv;
-      __builtin_memcpy(&gv, g + i, 64);
-      __builtin_memcpy(&uv, u + i, 64);
-      v16f r = gelu16(gv) * uv;
-      __builtin_memcpy(o + i, &r, 64);
-    }
-    for (; i < I; ++i) {  // same formula lane by lane so no row depends on its width
-      v16f r = gelu16(v16f{} + g[i]);
-      o[i] = r[0] * u[i];
-    }
-  }
-  return out;
+  });
 }
