@@ -6,7 +6,7 @@ A model can run four ways, each faster than the one before for the few-token row
 - **packed projections**: each projection through the few-row kernel, from the GGUF file's own blocks (kept by the
   loader), their int8-activation layout (``linear_kernel="packed-int8act"``), or float32 panels;
 - **op kernels**: RMSNorm, RoPE with the few-row attention, and the gated activation as one C++ call each;
-- **fused layers**: a decoder layer's whole step in one C++call when every projection of it is packed and nothing
+- **fused layers**: a decoder layer's whole step in one C++ call when every projection of it is packed and nothing
   splits it across ranks, and runs of such layers in one call per step (``LlamaForCausalLM._layer_stack``).
 
 :func:`plan_kernels` decides from the model's modules (a :class:`KernelPlan` that says what each one gets), and
