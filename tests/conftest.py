@@ -82,6 +82,15 @@ def tiny_model_dir(make_tiny_model) -> Path:
     return make_tiny_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir):
+    """HF transformers' model of the tiny checkpoint (float32, eval): the reference the engine's logits are held to;
+    only ever read, so one serves the whole session."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def tiny_llm(tiny_model_dir):
     from leapdecode import LLM

@@ -24,22 +24,15 @@ def plain(tiny_model_dir):
     return LLM(model=str(tiny_model_dir), kv_cache_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+def hf_logits(tiny_hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return tiny_hf(torch.tensor([ids])).logits[0].float()
 
 
-def check_against(hf, prompt_ids, out, temperature: float = 1.0, top_k: int = -1) -> None:
+def check_against(tiny_hf, prompt_ids, out, temperature: float = 1.0, top_k: int = -1) -> None:
     """Each generated token's entry equals HF's log_softmax (after temperature and top-k) at its position."""
     ids = list(prompt_ids) + list(out.token_ids)
-    logits = hf_logits(hf, ids)[len(prompt_ids) - 1 : len(ids) - 1] / temperature
+    logits = hf_logits(tiny_hf, ids)[len(prompt_ids) - 1 : len(ids) - 1] / temperature
     if top_k > 0:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -55,13 +48,13 @@ def check_against(hf, prompt_ids, out, temperature: float = 1.0, top_k: int = -1
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-6)
 
 
-def test_greedy_logprobs_and_top_k_match_hf(plain, hf):
+def test_greedy_logprobs_and_top_k_match_hf(plain, tiny_hf):
     prompt = "The quick brown fox jumps over"
     p = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     out = plain.generate(prompt, p, use_tqdm=False)[0]
     c = out.outputs[0]
-    check_against(hf, out.prompt_token_ids, c)
-    ref = torch.log_softmax(hf_logits(hf, out.prompt_token_ids + c.token_ids), dim=-1)
+    check_against(tiny_hf, out.prompt_token_ids, c)
+    ref = torch.log_softmax(hf_logits(tiny_hf, out.prompt_token_ids + c.token_ids), dim=-1)
     for j, entry in enumerate(c.logprobs):
         row = ref[len(out.prompt_token_ids) - 1 + j]
         want = row.topk(3).indices.tolist()
@@ -72,10 +65,10 @@ def test_greedy_logprobs_and_top_k_match_hf(plain, hf):
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.7, -1), (1.3, 5)])
-def test_sampled_logprobs_are_of_the_distribution_drawn_from(plain, hf, temperature, top_k):
+def test_sampled_logprobs_are_of_the_distribution_drawn_from(plain, tiny_hf, temperature, top_k):
     p = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=10, logprobs=2, seed=3, ignore_eos=True)
     out = plain.generate("Once upon a time", p, use_tqdm=False)[0]
-    check_against(hf, out.prompt_token_ids, out.outputs[0], temperature, top_k)
+    check_against(tiny_hf, out.prompt_token_ids, out.outputs[0], temperature, top_k)
     if top_k > 0:  # tokens outside the top-k have probability 0 and are never listed
         assert all(math.isfinite(lp.logprob) for e in out.outputs[0].logprobs for lp in e.values())
 
@@ -88,7 +81,7 @@ def test_logprobs_zero_lists_only_the_sampled_token(plain):
 
 @pytest.mark.parametrize("chunk, rows", [(512, llm_engine.PROMPT_LOGPROB_ROWS), (7, llm_engine.PROMPT_LOGPROB_ROWS),
                                          (512, 5)])
-def test_prompt_logprobs_match_hf_and_score_with_max_tokens_zero(tiny_model_dir, hf, chunk, rows, monkeypatch):
+def test_prompt_logprobs_match_hf_and_score_with_max_tokens_zero(tiny_model_dir, tiny_hf, chunk, rows, monkeypatch):
     monkeypatch.setattr(llm_engine, "PROMPT_LOGPROB_ROWS", rows)  # 5: a prefill chunk scored in several slices
     llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=256, max_num_batched_tokens=chunk)
     text = "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is"
@@ -98,7 +91,7 @@ def test_prompt_logprobs_match_hf_and_score_with_max_tokens_zero(tiny_model_dir,
         ids = out.prompt_token_ids
         assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length" and out.finished
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
-        ref = torch.log_softmax(hf_logits(hf, ids), dim=-1)
+        ref = torch.log_softmax(hf_logits(tiny_hf, ids), dim=-1)
         for i in range(1, len(ids)):
             entry = out.prompt_logprobs[i]
             assert ids[i] in entry and len(entry) in (2, 3)
@@ -107,19 +100,19 @@ def test_prompt_logprobs_match_hf_and_score_with_max_tokens_zero(tiny_model_dir,
     assert_no_leaks(llm)
 
 
-def test_prompt_logprobs_with_generation(plain, hf):
+def test_prompt_logprobs_with_generation(plain, tiny_hf):
     p = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=0, logprobs=1)
     out = plain.generate("a b c a b c", p, use_tqdm=False)[0]
     ids = out.prompt_token_ids
-    ref = torch.log_softmax(hf_logits(hf, ids), dim=-1)
+    ref = torch.log_softmax(hf_logits(tiny_hf, ids), dim=-1)
     assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in ids[1:]]
     assert all(abs(e[t].logprob - float(ref[i, t])) < TOL for i, (e, t) in enumerate(zip(out.prompt_logprobs[1:],
                                                                                         ids[1:])))
-    check_against(hf, ids, out.outputs[0])
+    check_against(tiny_hf, ids, out.outputs[0])
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_logprobs_identical_with_speculation(method, tiny_model_dir, plain, hf):
+def test_logprobs_identical_with_speculation(method, tiny_model_dir, plain, tiny_hf):
     """Greedy: same tokens and same entries (to float tolerance); sampled: every entry is HF's log-probability
     of the speculatively emitted token at its position."""
     cfg = {"method": method, "use_cost_model": False}
@@ -140,5 +133,5 @@ def test_logprobs_identical_with_speculation(method, tiny_model_dir, plain, hf):
         outs = spec.generate(SPEC_PROMPTS, sampled, use_tqdm=False)
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
         for o in outs:
-            check_against(hf, o.prompt_token_ids, o.outputs[0], temperature=0.8)
+            check_against(tiny_hf, o.prompt_token_ids, o.outputs[0], temperature=0.8)
     assert_no_leaks(spec)

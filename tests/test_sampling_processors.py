@@ -21,13 +21,6 @@ def plain(tiny_model_dir):
     return LLM(model=str(tiny_model_dir), kv_cache_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
 def reference_processors(logits: torch.Tensor, p: SamplingParams, ctx: list[int], num_prompt: int,
                          stop_ids: set[int]) -> torch.Tensor:
     """The definitions, one token at a time: HF repetition penalty over prompt + output; OpenAI's
@@ -68,7 +61,7 @@ def test_processors_match_the_definitions():
     assert apply_processors(logits, [RowContext(SamplingParams(), [1], 1)]) is logits  # nothing to do: no copy
 
 
-def test_greedy_penalties_match_a_reference_decoder(plain, hf):
+def test_greedy_penalties_match_a_reference_decoder(plain, tiny_hf):
     p = SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.8, frequency_penalty=0.6,
                        repetition_penalty=1.2, logit_bias={100: 3.0}, ignore_eos=True)
     out = plain.generate("a b c a b c a b", p, use_tqdm=False)[0]
@@ -76,7 +69,7 @@ def test_greedy_penalties_match_a_reference_decoder(plain, hf):
     n = len(ids)
     with torch.no_grad():
         for _ in range(20):
-            logits = hf(torch.tensor([ids])).logits[0, -1]
+            logits = tiny_hf(torch.tensor([ids])).logits[0, -1]
             ids.append(int(reference_processors(logits, p, ids, n, set()).argmax()))
     assert out.outputs[0].token_ids == ids[n:]
     plain_out = plain.generate("a b c a b c a b", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),

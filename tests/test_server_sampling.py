@@ -38,15 +38,12 @@ def llm(tiny_model_dir: Any) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(tiny_model_dir: Any) -> Any:
+def hf_logprobs(tiny_hf: Any) -> Any:
     """``f(ids) -> [len(ids), vocab]`` log_softmax of HF transformers' logits for the same weights."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
 
     def run(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            return torch.log_softmax(tiny_hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
     return run
 
