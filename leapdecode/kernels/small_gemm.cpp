@@ -284,7 +284,8 @@ static inline void record_header(const uint8_t* rec, int sb, v16f* s, v16f* m) {
     s[0] = s[1] = f32(0) * uint8s_to_floats(rec + 128 + 16 * sb);
     m[0] = m[1] = -(f32(64) * uint8s_to_floats(rec + 256 + 16 * sb));
   } else if constexpr (KIND == KIND_Q6K) {
-    for (int h = 0; h < 2; ++h) s[h] = f32(0) * int8s_to_floats(rec + 64 + 16 * (2 * sb + h)), m[h] = v16f{};
+    // m: the code's offset, -32 s, for the kernels that add it (q6k_weights); exact
+    for (int h = 0; h < 2; ++h) s[h] = f32(0) * int8s_to_floats(rec + 64 + 16 * (2 * sb + h)), m[h] = -32.f * s[h];
   } else {
     s[0] = s[1] = f32(0), m[0] = m[1] = v16f{};
   }
@@ -304,6 +305,23 @@ static inline void q6k_pair(const uint8_t* rec, int sb, int i, v16f& w0, v16f& w
   w0 = (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, bias));
   w1 = (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, bias));
 }
+// Q6K's weights of inputs 2i, 2i + 1 directly, without building the integer code: w = (lo + 16 hi - 32) * s is
+// taken as lo * s + (16 hi * s + m) with m = -32 s (record_header). Every term is exact in float32 (s = d * sc has
+// at most 18 significant bits, the code at most 6), so each FMA's one rounding changes nothing: bitwise the product
+// gguf computes. The parts come from lookups that read only an index's low 4 bits (vpermps): no masks, no
+// conversions.
+static inline void q6k_weights(const uint8_t* rec, int sb, int i, v16f s, v16f m, v16f& w0, v16f& w1) {
+  const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 high = _mm512_setr_ps(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 320 + 256 * sb + i * 16)));
+  const __m512i hi = _mm512_srli_epi32(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2368 + 128 * sb + (i / 2) * 16))),
+      4 * (i % 2));
+  const __m512 t0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, high), (__m512)s, (__m512)m);
+  const __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(hi, 2), high), (__m512)s, (__m512)m);
+  w0 = (v16f)_mm512_fmadd_ps(_mm512_permutexvar_ps(lo, nibble), (__m512)s, t0);
+  w1 = (v16f)_mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), nibble), (__m512)s, t1);
+}
 #else
 static inline void q6k_pair(const uint8_t* rec, int sb, int i, v16f& w0, v16f& w1) {
   for (int j = 0; j < 16; ++j) {
@@ -320,6 +338,9 @@ static inline void dequant_pair(const uint8_t* rec, int sb, int i, const v16f* s
                                 v16f& w1) {
   const int h = i / 8;
   const uint8_t* c = rec + kind_codes_offset(KIND) + (KIND == KIND_Q4K ? 256 * sb : 0);
+#ifdef __AVX512F__
+  if constexpr (KIND == KIND_Q6K) return q6k_weights(rec, sb, i, s[h], m[h], w0, w1);
+#endif
   if constexpr (KIND == KIND_Q6K) {
     q6k_pair(rec, sb, i, w0, w1);
   } else if constexpr (kind_nibbles(KIND)) {
@@ -329,44 +350,72 @@ static inline void dequant_pair(const uint8_t* rec, int sb, int i, const v16f* s
   } else {
     w0 = int8s_to_floats(c + i * 32), w1 = int8s_to_floats(c + i * 32 + 16);
   }
+  // kinds with one scale and minimum per block read them at a constant index: kept in registers
+  constexpr bool per_half = KIND == KIND_Q8S || KIND == KIND_Q4S || KIND == KIND_Q6K;
+  const int hh = per_half ? h : 0;
   if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S || KIND == KIND_Q6K) {
-    w0 = w0 * s[h], w1 = w1 * s[h];
+    w0 = w0 * s[hh], w1 = w1 * s[hh];
   } else {
-    w0 = w0 * s[h] + m[h], w1 = w1 * s[h] + m[h];
+    w0 = w0 * s[hh] + m[hh], w1 = w1 * s[hh] + m[hh];
   }
 }
 
-// f(k, w0, w1) for every input pair (k, k + 1) of one panel, in k order, with its 16 + 16 rebuilt weights
-template <int KIND, class F>
-static inline void for_each_pair(const uint8_t* rec, int64_t K, F&& f) {
+// f(p, k, w0, w1) for every input pair (k, k + 1) of P panels (panel p's records at rec + p * panel_bytes), in k
+// order, with the 16 + 16 rebuilt weights of panel p; the P panels' rebuilds interleave pair by pair
+template <int KIND, int P, class F>
+static inline void for_each_pair(const uint8_t* rec, int64_t panel_bytes, int64_t K, F&& f) {
   constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
   for (int64_t k0 = 0; k0 < K; k0 += SPAN, rec += REC) {
     for (int sb = 0; sb < SPAN / 32; ++sb) {
-      // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
-      for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(rec + sb * SUB + PREFETCH_RECORDS * SUB + line);
-      v16f s[2], m[2];
-      record_header<KIND>(rec, sb, s, m);
-      for (int i = 0; i < 16; ++i) {
-        v16f w0, w1;
-        dequant_pair<KIND>(rec, sb, i, s, m, w0, w1);
-        f(k0 + 32 * sb + 2 * i, w0, w1);
+      v16f s[P][2], m[P][2];
+      for (int p = 0; p < P; ++p) {
+        // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
+        for (int64_t line = 0; line < SUB; line += 64)
+          __builtin_prefetch(rec + p * panel_bytes + sb * SUB + PREFETCH_RECORDS * SUB + line);
+        record_header<KIND>(rec + p * panel_bytes, sb, s[p], m[p]);
       }
+      for (int i = 0; i < 16; ++i)
+        for (int p = 0; p < P; ++p) {
+          v16f w0, w1;
+          dequant_pair<KIND>(rec + p * panel_bytes, sb, i, s[p], m[p], w0, w1);
+          f(p, k0 + 32 * sb + 2 * i, w0, w1);
+        }
     }
   }
 }
 
-template <int R, int KIND>
-static inline void rows_x_qpanel(const float* __restrict x, const uint8_t* __restrict rec, float* __restrict y,
-                                 int64_t K, int64_t N) {
-  v16f acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16f{};
-  for_each_pair<KIND>(rec, K, [&](int64_t k, v16f w0, v16f w1) { accumulate_pair<R>(acc0, acc1, w0, w1, x, K, k); });
-  store_rows<R>(acc0, acc1, y, N);
+// y [R rows, P panels' outputs]. One row's even and odd sums are two chains of dependent FMAs, and at one or two
+// rows the FMA latency along them, not the rebuild or the memory, bounds a panel: interleaving P panels keeps
+// 2 P R independent chains in flight. Each output is still summed in the one order, whatever P and R are.
+template <int R, int KIND, int P>
+static inline void rows_x_qpanels(const float* __restrict x, const uint8_t* __restrict rec, int64_t panel_bytes,
+                                  float* __restrict y, int64_t K, int64_t N) {
+  v16f acc0[P][R], acc1[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) acc0[p][r] = acc1[p][r] = v16f{};
+  for_each_pair<KIND, P>(rec, panel_bytes, K, [&](int p, int64_t k, v16f w0, v16f w1) {
+    accumulate_pair<R>(acc0[p], acc1[p], w0, w1, x, K, k);
+  });
+  for (int p = 0; p < P; ++p) store_rows<R>(acc0[p], acc1[p], y + 16 * p, N);
 }
 
+// panels [begin, end) for up to ROW_CHUNK rows: one or two rows take PANELS_FEW_ROWS panels at a time
+#ifndef PANELS_FEW_ROWS
+#define PANELS_FEW_ROWS 2
+#endif
 template <int KIND>
-static void rows_x_qpanel_any(int64_t rows, const float* x, const uint8_t* rec, float* y, int64_t K, int64_t N) {
-  with_rows(rows, [&](auto R) { rows_x_qpanel<R.value, KIND>(x, rec, y, K, N); });
+static void rows_x_qpanels_any(int64_t rows, const float* x, const uint8_t* w, int64_t panel_bytes, float* y,
+                               int64_t K, int64_t N, int64_t begin, int64_t end) {
+  int64_t p = begin;
+  if (rows <= 2)
+    for (; p + PANELS_FEW_ROWS <= end; p += PANELS_FEW_ROWS) {
+      if (rows == 1)
+        rows_x_qpanels<1, KIND, PANELS_FEW_ROWS>(x, w + p * panel_bytes, panel_bytes, y + p * 16, K, N);
+      else
+        rows_x_qpanels<2, KIND, PANELS_FEW_ROWS>(x, w + p * panel_bytes, panel_bytes, y + p * 16, K, N);
+    }
+  for (; p < end; ++p)
+    with_rows(rows, [&](auto R) { rows_x_qpanels<R.value, KIND, 1>(x, w + p * panel_bytes, panel_bytes, y + p * 16, K, N); });
 }
 #endif
 
@@ -391,16 +440,13 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
     for (int64_t p = begin; p < end; ++p)
       panel_rows(M, BlockPanel<KIND>{wp + p * panel_bytes}, xp, yp + p * 16, K, N);
 #else
-    if (M <= ROW_CHUNK) {  // rebuild each weight in registers, use it for every row
-      for (int64_t p = begin; p < end; ++p)
-        rows_x_qpanel_any<KIND>(M, xp, wp + p * panel_bytes, yp + p * 16, K, N);
-      return;
-    }
+    if (M <= ROW_CHUNK)  // rebuild each weight in registers, use it for every row
+      return rows_x_qpanels_any<KIND>(M, xp, wp, panel_bytes, yp, K, N, begin, end);
     // more rows: rebuild the panel once into float32 (K x 64 B, in L2) and run the float32 kernel over it, so
     // the rebuild is not repeated per chunk of 8 rows; the sums are the float32 kernel's own, so still identical
     std::vector<float> panel(K * 16);
     for (int64_t p = begin; p < end; ++p) {
-      for_each_pair<KIND>(wp + p * panel_bytes, K, [&](int64_t k, v16f w0, v16f w1) {
+      for_each_pair<KIND, 1>(wp + p * panel_bytes, panel_bytes, K, [&](int, int64_t k, v16f w0, v16f w1) {
         __builtin_memcpy(panel.data() + k * 16, &w0, 64);
         __builtin_memcpy(panel.data() + (k + 1) * 16, &w1, 64);
       });
