@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ModelRunner
+from leapdecode.eval import linear_bench
 from leapdecode.kernels import extension
 from leapdecode.layers import small_gemm
 from leapdecode.layers.block_formats import KIND_OF_TYPE
@@ -133,3 +134,16 @@ def test_unsupported_type_truncated_and_overlapping_files_are_refused(tmp_path):
     not_gguf.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_model(not_gguf)
+
+
+def test_linear_bench_times_a_files_own_matrices(tmp_path, capsys):
+    """The micro-benchmark reads a file's quantized matrices per type and shape, checks the float kernel on each
+    group before timing it, and prints a row per group and kernel."""
+    path = write_tiny_gguf(tmp_path / "mix.gguf", MIXES["Q4_K_M"])
+    assert linear_bench.main(["--model", str(path), "--rows", "1,2", "--matrices", "2", "--repeats", "1",
+                              "--kernels", "float,int8"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| Q")]
+    assert {ln.split(" | ")[0][2:] for ln in rows} == {"Q4_K", "Q6_K"}
+    assert {ln.split(" | ")[3] for ln in rows} == {"float", "int8"}
+    with pytest.raises(SystemExit):
+        linear_bench.main(["--model", str(path), "--types", "Q8_0"])

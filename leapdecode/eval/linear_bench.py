@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(m, k, generator=g)
                 if kernel == "float":
                     check(x, qws[0])
-                ms = median_ms(lambda x=x: [small_gemm.packed_linear(x, w, None) for w in packed], len(packed),
-                               a.repeats)
+                ms = median_ms(lambda x=x, packed=packed: [small_gemm.packed_linear(x, w, None) for w in packed],
+                               len(packed), a.repeats)
                 cells.append(f"{ms:.3f} ({nbytes / ms / 1e6:.0f})")
             print(f"| {type_name} | {n} x {k} | {len(packed)} | {kernel} | " + " | ".join(cells) + " |", flush=True)
     return 0
