@@ -365,13 +365,16 @@ static inline void dequant_pair(const uint8_t* rec, int sb, int i, const v16f* s
 template <int KIND, int P, class F>
 static inline void for_each_pair(const uint8_t* rec, int64_t panel_bytes, int64_t K, F&& f) {
   constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
+  const uint8_t* start = rec;
   for (int64_t k0 = 0; k0 < K; k0 += SPAN, rec += REC) {
     for (int sb = 0; sb < SPAN / 32; ++sb) {
+      // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span; past a panel's end, into the
+      // panel this stream takes next (P panels on: the panels are contiguous)
+      int64_t ahead = (rec - start) + sb * SUB + PREFETCH_RECORDS * SUB;
+      ahead += ahead >= panel_bytes ? (P - 1) * panel_bytes : 0;
       v16f s[P][2], m[P][2];
       for (int p = 0; p < P; ++p) {
-        // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
-        for (int64_t line = 0; line < SUB; line += 64)
-          __builtin_prefetch(rec + p * panel_bytes + sb * SUB + PREFETCH_RECORDS * SUB + line);
+        for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(start + p * panel_bytes + ahead + line);
         record_header<KIND>(rec + p * panel_bytes, sb, s[p], m[p]);
       }
       for (int i = 0; i < 16; ++i)
