@@ -219,7 +219,8 @@ def test_a_drafter_with_nothing_to_propose_sits_the_step_out_unpenalised(tiny_mo
 def test_drafting_time_its_model_does_not_predict_counts_against_a_drafter(tiny_model_dir, plain_tiny, slow):
     """The drafter's step-cost model says drafting is free, and the target drafts for itself (every draft is
     accepted), so drafting pays; unless proposing really takes 50 ms a call (5 target steps): that measured time
-    beyond the model enters the drafter's rate after its first call, and it stops drafting."""
+    beyond the model enters the drafter's rate after its first call, and it stops drafting (the measurement fades
+    while it sits out, so it would try again much later)."""
     spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "draft_model", "model": str(tiny_model_dir)})
     sp = spec.engine.speculator
     sp.cost = StepCostModel([(1, 0.01), (65, 0.01)])
@@ -237,7 +238,8 @@ def test_drafting_time_its_model_does_not_predict_counts_against_a_drafter(tiny_
     out = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0]
     drafted = sum(out.metrics.draft_methods.values())
     if slow:
-        assert sp.propose_s["draft_model"] > 0.04 and drafted <= 2, (sp.propose_s, drafted)
+        # measured once (50 ms beyond the model), then fading 2% a step while it sits out: still far over a step
+        assert sp.propose_s["draft_model"] > 0.02 and drafted <= 2, (sp.propose_s, drafted)
     else:
         assert drafted >= 4 and sp.propose_s["draft_model"] < 0.04
     assert out.outputs[0].token_ids == plain_tiny.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -43,6 +43,7 @@ from leapdecode.speculative.router import KV_SHORT, DrafterFacts, Router, pick
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
+UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
 class Speculator:
@@ -267,13 +268,18 @@ class Speculator:
         k = min(st.gamma, room)
         if self.cost is None:
             return k, float(k)
-        k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g: prop.step_cost(batch, g))
+        over = self.overhead(name, prop, batch)
+        k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g: prop.step_cost(batch, g) + over)
         if k == 0:
             # drift back toward the prior while not drafting, so a sequence whose text turns repetitive (or
-            # copies from its input) gets to try again
+            # copies from its input) gets to try again; and let the measured unmodelled drafting time fade, so
+            # one slow call (a long catch-up, a pause) does not keep a drafter out for good: if it was no outlier,
+            # the next try measures it again
             st.acceptance_ema += 0.05 * (self.start_acceptance(seq, name) - st.acceptance_ema)
+            if name in self.propose_s:
+                self.propose_s[name] *= 1.0 - UNMODELLED_FADE
             return 0, 0.0
-        t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
+        t = self.cost(batch + k) + prop.step_cost(batch, k) + over
         return k, (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
 
     def overhead(self, name: str, prop: Proposer, batch: int) -> float:
