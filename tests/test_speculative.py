@@ -325,3 +325,25 @@ def test_measured_speculation_overhead_enters_the_decision(tiny_model_dir, plain
     outs = spec.generate(PROMPTS, params, use_tqdm=False)
     assert all(o.metrics.num_draft_tokens == 0 and o.metrics.mean_accepted_tokens == 1.0 for o in outs)
     assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
+
+
+def test_a_calibrated_step_cost_model_learns_from_live_steps(plain_tiny):
+    """A model given by hand stays as given; a calibrated one moves each live step's size toward its measured time
+    (a point added where the calibration had none), stays non-decreasing, and leaves steps past its sizes out."""
+    hand = StepCostModel([(1, 1.0), (9, 2.0)])
+    hand.observe(5, 10.0)
+    assert hand(5) == 1.5
+    live = StepCostModel([(1, 1.0), (9, 2.0)], online=True)
+    for _ in range(300):
+        live.observe(5, 3.0)
+    assert live.xs == [1, 5, 9] and live(5) == pytest.approx(3.0, rel=1e-3)
+    assert live(9) >= live(5) and live(1) == 1.0  # the larger size gave way; the smaller one was not touched
+    live.observe(100, 50.0)
+    assert live.xs == [1, 5, 9]
+    # an engine's speculator hands its target steps to its calibrated model
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": True})
+    sp = spec.engine.speculator
+    assert sp.cost.online
+    before = list(sp.cost.points)
+    spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert sp.cost.points != before

@@ -70,13 +70,40 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+ONLINE_EMA = 0.05  # weight of each live step's time in the point of its size (online cost model)
+
+
 class StepCostModel:
     """Target forward time as a function of the number of tokens in the step, piecewise linear between
-    calibration points measured on this machine."""
+    calibration points measured on this machine. A calibrated model also learns from the live steps
+    (``observe``): a start-up calibration of three timings per size can be off by a noisy moment, and every
+    draft-length decision reads it; a model given by hand stays as given."""
 
-    def __init__(self, points: list[tuple[int, float]]) -> None:
+    def __init__(self, points: list[tuple[int, float]], online: bool = False) -> None:
         self.points = sorted(points)
         self.xs = [x for x, _ in self.points]
+        self.online = online
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A live target step of ``n`` tokens took ``seconds``: the point at ``n`` (added when the calibration has
+        none there; steps beyond its largest size are left out) moves ``ONLINE_EMA`` toward it, and the points on
+        either side give way where they would make the curve decrease."""
+        if not self.online or n < 1 or n > self.xs[-1]:
+            return
+        i = bisect.bisect_left(self.xs, n)
+        if self.xs[i] != n:
+            self.points.insert(i, (n, self(n)))
+            self.xs.insert(i, n)
+        y = self.points[i][1] + ONLINE_EMA * (seconds - self.points[i][1])
+        self.points[i] = (n, y)
+        for j in range(i + 1, len(self.points)):
+            if self.points[j][1] >= y:
+                break
+            self.points[j] = (self.xs[j], y)
+        for j in range(i - 1, -1, -1):
+            if self.points[j][1] <= y:
+                break
+            self.points[j] = (self.xs[j], y)
 
     @classmethod
     def calibrate(cls, run_step, sizes: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33, 65), repeats: int = 3):
@@ -95,7 +122,7 @@ class StepCostModel:
         for n, t in pts:
             best = max(best, t)
             fixed.append((n, best))
-        return cls(fixed)
+        return cls(fixed, online=True)
 
     def __call__(self, n: int) -> float:
         xs, pts = self.xs, self.points

@@ -19,7 +19,7 @@ from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
-from leapdecode.parallel import rank0_value
+from leapdecode.parallel import group_size, rank0_value
 from leapdecode.speculative.acceptance import (
     verify_greedy,
     verify_sampling,
@@ -296,6 +296,13 @@ class Speculator:
     def _ema(old: float, new: float) -> float:
         return new if old == 0.0 else old + OVERHEAD_EMA * (new - old)
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A live target forward of ``rows`` tokens took ``seconds``: the step-cost model learns from it (one
+        process only: under tensor parallelism every rank must size alike, so the start-up calibration, taken
+        from rank 0, stands)."""
+        if self.cost is not None and group_size() == 1:
+            self.cost.observe(rows, seconds)
+
     # ------------------------------------------------------------------------------------------- actions
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
         by_method: dict[str, list[ScheduledSeq]] = {}
@@ -348,9 +355,13 @@ class Speculator:
         row, seq.draft_state.hidden_row = seq.draft_state.hidden_row, -1
         if seq.draft_token_ids and seq.draft_state.tree_parents is None:  # a chain was verified this step
             self._count_positions(len(seq.draft_token_ids), len(seq.draft_state.accepted_path))
-        if not seq.is_finished and res.hidden.numel():
-            for prop in self.proposers.values():
-                prop.observe(seq, res.hidden[row])
+        # only drafters that keep the hidden state (heads) are called: indexing the row costs ~5 us a call, paid
+        # per sequence and drafter on every step, and most drafters ignore it
+        watchers = [p for p in self.proposers.values() if type(p).observe is not Proposer.observe]
+        if watchers and not seq.is_finished and res.hidden.numel():
+            hidden = res.hidden[row]
+            for prop in watchers:
+                prop.observe(seq, hidden)
         if self.router is not None and not seq.is_finished and self.router.domain_switch(seq) is not None:
             self._restart_estimates(seq)
 
