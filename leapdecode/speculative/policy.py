@@ -70,7 +70,8 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-ONLINE_EMA = 0.05  # weight of each live step's time in the point of its size (online cost model)
+ONLINE_EMA = 0.05  # weight of a live step in its calibration point's measured/calibrated ratio (after a mean)
+ONLINE_MIN_STEPS = 3  # live steps near a calibration point before its own ratio replaces its nearest neighbour's
 
 
 class StepCostModel:
@@ -80,30 +81,38 @@ class StepCostModel:
     draft-length decision reads it; a model given by hand stays as given."""
 
     def __init__(self, points: list[tuple[int, float]], online: bool = False) -> None:
-        self.points = sorted(points)
+        self.calibrated = sorted(points)
+        self.points = list(self.calibrated)
         self.xs = [x for x, _ in self.points]
         self.online = online
+        # per calibration size: [measured / calibrated time of the live steps nearest to it (a mean over the first
+        # 1 / ONLINE_EMA steps, then an EMA), how many]
+        self.ratios: dict[int, list[float]] = {}
 
     def observe(self, n: int, seconds: float) -> None:
-        """A live target step of ``n`` tokens took ``seconds``: the point at ``n`` (added when the calibration has
-        none there; steps beyond its largest size are left out) moves ``ONLINE_EMA`` toward it, and the points on
-        either side give way where they would make the curve decrease."""
-        if not self.online or n < 1 or n > self.xs[-1]:
+        """A live target step of ``n`` tokens took ``seconds``. Its ratio to the calibrated time at ``n`` enters the
+        nearest calibration point's ratio, and the curve becomes the calibrated one scaled point by point: each
+        point by its own ratio once ``ONLINE_MIN_STEPS`` steps measured it, else by its nearest measured point's.
+        So a level shift seen on plain steps (a longer context than the calibration's) moves the whole curve and
+        keeps its shape, what an extra verified row costs, until steps of that size measure it themselves. Steps
+        past the largest calibrated size are left out; the curve stays non-decreasing."""
+        if not self.online or n < 1 or n > self.xs[-1] or seconds <= 0:
             return
         i = bisect.bisect_left(self.xs, n)
-        if self.xs[i] != n:
-            self.points.insert(i, (n, self(n)))
-            self.xs.insert(i, n)
-        y = self.points[i][1] + ONLINE_EMA * (seconds - self.points[i][1])
-        self.points[i] = (n, y)
-        for j in range(i + 1, len(self.points)):
-            if self.points[j][1] >= y:
-                break
-            self.points[j] = (self.xs[j], y)
-        for j in range(i - 1, -1, -1):
-            if self.points[j][1] <= y:
-                break
-            self.points[j] = (self.xs[j], y)
+        if self.xs[i] != n and i > 0 and n - self.xs[i - 1] <= self.xs[i] - n:
+            i -= 1
+        r = self.ratios.setdefault(self.xs[i], [0.0, 0])
+        r[1] += 1
+        r[0] += max(ONLINE_EMA, 1.0 / r[1]) * (seconds / self._interp(self.xs, self.calibrated, n) - r[0])
+        measured = [x for x, (_, c) in self.ratios.items() if c >= ONLINE_MIN_STEPS]
+        if not measured:
+            return
+        pts, best = [], 0.0
+        for x, y in self.calibrated:
+            near = min(measured, key=lambda m: (abs(m - x), m))
+            best = max(best, y * self.ratios[near][0])
+            pts.append((x, best))
+        self.points = pts
 
     @classmethod
     def calibrate(cls, run_step, sizes: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33, 65), repeats: int = 3):
@@ -125,7 +134,10 @@ class StepCostModel:
         return cls(fixed, online=True)
 
     def __call__(self, n: int) -> float:
-        xs, pts = self.xs, self.points
+        return self._interp(self.xs, self.points, n)
+
+    @staticmethod
+    def _interp(xs: list[int], pts: list[tuple[int, float]], n: int) -> float:
         if n <= xs[0]:
             return pts[0][1] * n / xs[0] if n < xs[0] else pts[0][1]
         i = bisect.bisect_left(xs, n)
