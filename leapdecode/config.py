@@ -56,13 +56,15 @@ class SpeculativeConfig:
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
     # chunked verification of long chains (speculative/speculator.py): None = the step-cost model decides whether
-    # to verify only the first drafts of a long chain and keep the rest for the next step; 0 = never; N = verify
-    # at most N drafts per pass
-    verify_chunk: int | None = None
+    # to verify only the first drafts of a long chain and keep the rest for the next step; 0 = never (the default:
+    # measured, it did not pay on the CPU it was measured on, docs/speculative.md); N = verify at most N drafts
+    # per pass
+    verify_chunk: int | None = 0
     # under load, size the drafts of a step together (speculative/policy.group_by_acceptance): sequences with the
-    # best acceptance draft first, the others see the step their drafts already made longer; False = each
-    # sequence decides alone, as if every other one verified a single token
-    group_by_acceptance: bool = True
+    # best acceptance draft first, the others see the step their drafts already made longer; False (the default:
+    # measured, it never engaged at batch 8-24 there, docs/speculative.md) = each sequence decides alone, as if
+    # every other one verified a single token
+    group_by_acceptance: bool = False
     # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
     # int8 activations while the target verifies in float32 (the target checks every token, so the drafter's
     # precision moves acceptance, never the output); None = the target's. With "model": "target" the drafter

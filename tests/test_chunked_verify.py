@@ -92,7 +92,7 @@ def test_chunked_verification_keeps_the_sampling_distribution(tiny_model_dir, pl
 def test_kept_tails_inside_grouped_sizing_stay_lossless(method, tiny_model_dir, plain_tiny):
     """At batch 8 with the cost model on (so each step's drafts are sized together), resumed tails enter the plan
     as fixed sizes beside fresh chains; tokens equal plain decoding's."""
-    cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2}
+    cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2, "group_by_acceptance": True}
     if method == "ngram":
         cfg.update(prompt_lookup_min=1, prompt_lookup_max=2)
     else:

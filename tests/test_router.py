@@ -4,6 +4,7 @@ pick, per-task acceptance, the copy detector, typed constraints, and the route a
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.bench.rows import Row, explain_rows
 from leapdecode.cli import main
 from leapdecode.config import SpeculativeConfig
+from leapdecode.engine.sequence import Sequence
 from leapdecode.outputs import RequestMetrics
 from leapdecode.speculative.options import AutoOptions
 from leapdecode.speculative.policy import StepCostModel, expected_tokens, group_by_acceptance
@@ -192,6 +194,55 @@ def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
     assert sp.state(seq, "ngram").acceptance_ema == 0.9  # type: ignore[arg-type]
     prior = sp.proposers["draft_model"].acceptance_prior()
     assert sp.state(seq, "draft_model").acceptance_ema == prior  # type: ignore[arg-type]
+
+
+def test_a_drafter_with_nothing_to_propose_sits_the_step_out_unpenalised(tiny_model_dir, plain_tiny):
+    """Prompt lookup without a match is no candidate for the step (the next drafter takes it, or nobody), and its
+    acceptance estimate stays where it was, so it drafts again at the next match."""
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    sp = spec.engine.speculator
+    sp.cost = StepCostModel([(1, 1.0), (65, 1.0)])  # verification as cheap as a plain step: drafting pays
+    sp.proposers["draft_model"].step_cost_fn = lambda n: 0.0
+    params = SamplingParams(temperature=0, max_tokens=24)
+    fresh = Sequence("fresh", [3, 4, 5, 6, 7, 8], params)  # no n-gram occurs twice: nothing to look up
+    repeat = Sequence("repeat", [3, 4, 5, 6, 3, 4], params)  # (3, 4) occurred before: lookup proposes 5, 6
+    for seq in (fresh, repeat):
+        sp.state(seq, "ngram").acceptance_ema = 0.9
+        sp.state(seq, "draft_model").acceptance_ema = 0.3
+    assert not sp.proposers["ngram"].has_draft(fresh) and sp.proposers["ngram"].has_draft(repeat)
+    assert sp.budget_for(fresh) > 0 and fresh.draft_state.method == "draft_model"
+    assert sp.budget_for(repeat) > 0 and repeat.draft_state.method == "ngram"
+    assert sp.state(fresh, "ngram").acceptance_ema == 0.9
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_drafting_time_its_model_does_not_predict_counts_against_a_drafter(tiny_model_dir, plain_tiny, slow):
+    """The drafter's step-cost model says drafting is free, and the target drafts for itself (every draft is
+    accepted), so drafting pays; unless proposing really takes 50 ms a call (5 target steps): that measured time
+    beyond the model enters the drafter's rate after its first call, and it stops drafting (the measurement fades
+    while it sits out, so it would try again much later)."""
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "draft_model", "model": str(tiny_model_dir)})
+    sp = spec.engine.speculator
+    sp.cost = StepCostModel([(1, 0.01), (65, 0.01)])
+    prop = sp.proposer
+    prop.step_cost_fn = lambda n: 0.0
+    propose = prop.propose
+
+    def timed(seqs, budgets):  # type: ignore[no-untyped-def]
+        if slow:
+            time.sleep(0.05)
+        return propose(seqs, budgets)
+
+    prop.propose = timed  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = spec.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    drafted = sum(out.metrics.draft_methods.values())
+    if slow:
+        # measured once (50 ms beyond the model), then fading 2% a step while it sits out: still far over a step
+        assert sp.propose_s["draft_model"] > 0.02 and drafted <= 2, (sp.propose_s, drafted)
+    else:
+        assert drafted >= 4 and sp.propose_s["draft_model"] < 0.04
+    assert out.outputs[0].token_ids == plain_tiny.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 # ------------------------------------------------------------------------------------ acceptance grouping

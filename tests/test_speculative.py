@@ -325,3 +325,30 @@ def test_measured_speculation_overhead_enters_the_decision(tiny_model_dir, plain
     outs = spec.generate(PROMPTS, params, use_tqdm=False)
     assert all(o.metrics.num_draft_tokens == 0 and o.metrics.mean_accepted_tokens == 1.0 for o in outs)
     assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
+
+
+def test_a_calibrated_step_cost_model_learns_from_live_steps(plain_tiny):
+    """A model given by hand stays as given. A calibrated one scales its points by the live steps' measured /
+    calibrated times: a level shift seen on one size moves the whole curve (its shape, what an extra row costs,
+    kept) until other sizes are measured themselves; it stays non-decreasing and ignores steps past its sizes."""
+    hand = StepCostModel([(1, 1.0), (9, 2.0)])
+    hand.observe(5, 10.0)
+    assert hand(5) == 1.5
+    live = StepCostModel([(1, 1.0), (5, 2.0), (9, 4.0)], online=True)
+    for _ in range(5):
+        live.observe(4, 3.0)  # nearest calibrated size 5, calibrated 1.75 there: ratio 12/7
+    ratio = 3.0 / 1.75
+    assert [y for _, y in live.points] == pytest.approx([ratio, 2.0 * ratio, 4.0 * ratio])
+    for _ in range(300):
+        live.observe(9, 2.0)  # the largest size measures cheaper than calibrated: its own ratio, then monotone
+    assert live(9) == pytest.approx(live(5), rel=1e-3) and live(1) == pytest.approx(ratio)
+    before = list(live.points)
+    live.observe(100, 50.0)
+    assert live.points == before
+    # an engine's speculator hands its target steps to its calibrated model
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": True})
+    sp = spec.engine.speculator
+    assert sp.cost.online
+    before = list(sp.cost.points)
+    spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert sp.cost.points != before

@@ -407,8 +407,9 @@ def add_cli(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (also llama.cpp's with --compare)")
     add_tensor_parallel_arg(p)
     p.add_argument("--prompts", default="mt_bench",
-                   help="mt_bench (default), grounded (summaries/extraction over WikiText passages), or a "
-                   "question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")
+                   help="mt_bench (default), grounded (summaries/extraction over WikiText passages), mixed (the two "
+                   "alternating: some requests copy, some chat), or a question.jsonl path (Spec-Bench style 'turns', "
+                   "or 'prompt' records)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")

@@ -69,4 +69,9 @@ def load_prompt_set(name: str, limit: int | None) -> list[str]:
         return load_questions(data / "mt_bench" / "question.jsonl", limit)
     if name == "grounded":
         return grounded_prompts(limit)
+    if name == "mixed":  # a mixed workload: grounded prompts and MT-Bench first turns, alternating
+        half = None if limit is None else (limit + 1) // 2
+        pairs = zip(grounded_prompts(half), load_questions(data / "mt_bench" / "question.jsonl", half))
+        out = [p for pair in pairs for p in pair]
+        return out[:limit] if limit else out
     return load_questions(Path(name), limit)

@@ -384,15 +384,19 @@ class LLMEngine:
     def _execute(self, items: list[ForwardItem]):
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
         tuner = self.thread_tuner
+        rows = sum(len(it.tokens) for it in items)
         if tuner is None:
             if torch.get_num_threads() != self.num_threads:  # another engine in this process may have changed it
                 torch.set_num_threads(self.num_threads)
-            return self.runner.execute(items)
-        rows = sum(len(it.tokens) for it in items)
-        n = tuner.threads_for(rows)
+        else:
+            n = tuner.threads_for(rows)
         t0 = time.perf_counter()
         results = self.runner.execute(items)
-        tuner.observe(rows, n, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        if tuner is not None:
+            tuner.observe(rows, n, dt)
+        if self.speculator is not None:  # the cost model its draft lengths are sized by learns from live steps
+            self.speculator.observe_step(rows, dt)
         return results
 
     def sample(

@@ -70,13 +70,49 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+ONLINE_EMA = 0.05  # weight of a live step in its calibration point's measured/calibrated ratio (after a mean)
+ONLINE_MIN_STEPS = 3  # live steps near a calibration point before its own ratio replaces its nearest neighbour's
+
+
 class StepCostModel:
     """Target forward time as a function of the number of tokens in the step, piecewise linear between
-    calibration points measured on this machine."""
+    calibration points measured on this machine. A calibrated model also learns from the live steps
+    (``observe``): a start-up calibration of three timings per size can be off by a noisy moment, and every
+    draft-length decision reads it; a model given by hand stays as given."""
 
-    def __init__(self, points: list[tuple[int, float]]) -> None:
-        self.points = sorted(points)
+    def __init__(self, points: list[tuple[int, float]], online: bool = False) -> None:
+        self.calibrated = sorted(points)
+        self.points = list(self.calibrated)
         self.xs = [x for x, _ in self.points]
+        self.online = online
+        # per calibration size: [measured / calibrated time of the live steps nearest to it (a mean over the first
+        # 1 / ONLINE_EMA steps, then an EMA), how many]
+        self.ratios: dict[int, list[float]] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A live target step of ``n`` tokens took ``seconds``. Its ratio to the calibrated time at ``n`` enters the
+        nearest calibration point's ratio, and the curve becomes the calibrated one scaled point by point: each
+        point by its own ratio once ``ONLINE_MIN_STEPS`` steps measured it, else by its nearest measured point's.
+        So a level shift seen on plain steps (a longer context than the calibration's) moves the whole curve and
+        keeps its shape, what an extra verified row costs, until steps of that size measure it themselves. Steps
+        past the largest calibrated size are left out; the curve stays non-decreasing."""
+        if not self.online or n < 1 or n > self.xs[-1] or seconds <= 0:
+            return
+        i = bisect.bisect_left(self.xs, n)
+        if self.xs[i] != n and i > 0 and n - self.xs[i - 1] <= self.xs[i] - n:
+            i -= 1
+        r = self.ratios.setdefault(self.xs[i], [0.0, 0])
+        r[1] += 1
+        r[0] += max(ONLINE_EMA, 1.0 / r[1]) * (seconds / self._interp(self.xs, self.calibrated, n) - r[0])
+        measured = [x for x, (_, c) in self.ratios.items() if c >= ONLINE_MIN_STEPS]
+        if not measured:
+            return
+        pts, best = [], 0.0
+        for x, y in self.calibrated:
+            near = min(measured, key=lambda m: (abs(m - x), m))
+            best = max(best, y * self.ratios[near][0])
+            pts.append((x, best))
+        self.points = pts
 
     @classmethod
     def calibrate(cls, run_step, sizes: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33, 65), repeats: int = 3):
@@ -95,10 +131,13 @@ class StepCostModel:
         for n, t in pts:
             best = max(best, t)
             fixed.append((n, best))
-        return cls(fixed)
+        return cls(fixed, online=True)
 
     def __call__(self, n: int) -> float:
-        xs, pts = self.xs, self.points
+        return self._interp(self.xs, self.points, n)
+
+    @staticmethod
+    def _interp(xs: list[int], pts: list[tuple[int, float]], n: int) -> float:
         if n <= xs[0]:
             return pts[0][1] * n / xs[0] if n < xs[0] else pts[0][1]
         i = bisect.bisect_left(xs, n)

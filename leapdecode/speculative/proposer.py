@@ -112,6 +112,11 @@ class Proposer(ABC):
     def release(self, seq: Sequence) -> None:  # noqa: B027
         """Default: nothing to free."""
 
+    def has_draft(self, seq: Sequence) -> bool:
+        """Whether the drafter has anything to propose for ``seq`` this step. A drafter without a proposal is left
+        out of the step's choice (it costs nothing and says nothing about its acceptance). Default: always."""
+        return True
+
     def calibrate_cost(self) -> None:  # noqa: B027
         """Time this drafter's own steps for ``step_cost`` (called by the speculator when it uses the cost model).
         Default: nothing to time (lookup methods; heads measure themselves on first use)."""

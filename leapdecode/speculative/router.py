@@ -17,9 +17,9 @@ Three layers of decision, each visible in the request's ``metrics.route`` (``Rou
    step cost at the live batch size). The router takes the tree's most preferred candidate whose rate is within
    ``TREE_MARGIN`` of the best; when the best is clearly faster the route departs from the tree and says so,
    with both rates. While the target's KV pool is nearly full (free share below ``KV_SHORT``) nobody drafts:
-   reserved draft slots would push the scheduler into preempting (recomputing) whole sequences. A chain drafter
-   that was given a budget and proposed nothing (prompt lookup without a match) counts as a verification that
-   accepted nothing, so a drafter with nothing to offer does not keep its place at the head of the tree.
+   reserved draft slots would push the scheduler into preempting (recomputing) whole sequences. A drafter with
+   nothing to propose this step (``Proposer.has_draft``: prompt lookup without a match) is not a candidate for
+   it; its acceptance estimate is left as it was, so it is back at once when it has something to offer.
 
 **Domain switching** (``DomainDetector``): per sequence, whether the latest committed tokens repeat what came
 before (each token checked against the token that followed the latest occurrence of its bigram: exactly what

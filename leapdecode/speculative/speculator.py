@@ -19,7 +19,7 @@ from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
-from leapdecode.parallel import rank0_value
+from leapdecode.parallel import group_size, rank0_value
 from leapdecode.speculative.acceptance import (
     verify_greedy,
     verify_sampling,
@@ -43,6 +43,7 @@ from leapdecode.speculative.router import KV_SHORT, DrafterFacts, Router, pick
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
+UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
 class Speculator:
@@ -64,9 +65,11 @@ class Speculator:
         self.dropped: dict[str, float] = {}  # auto: drafters left out as unprofitable here -> their prior
         self.gamma = DynamicGamma(cfg)
         self.cost: StepCostModel | None = None
-        # measured Python-side cost of speculating, per drafting sequence and step (EMA, seconds): proposing
-        # (per method) and verifying. The step-cost model only times target forwards; at ~10 ms per step these
-        # ~0.5-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
+        # measured cost of speculating beyond the modelled forwards, per drafting sequence and step (EMA, seconds):
+        # proposing, less what the drafter's own step-cost model predicts for the call (per method: a draft
+        # model's fixed per-call work, catching up on tokens it did not draft, a proposal that stopped before its
+        # first token; all of proposing for prompt lookup, which models none), and verifying. At ~5 ms per step
+        # these ~0.1-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
         # chunked verification: chains split (a tail kept back), and steps that verified a kept tail
@@ -158,6 +161,8 @@ class Speculator:
         rates: dict[str, tuple[int, float]] = {}
         for name in names:
             prop = self.proposers[name]
+            if not prop.has_draft(seq):  # e.g. prompt lookup without a match: not a candidate this step
+                continue
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
                 if tree[0] > 0:
@@ -263,24 +268,40 @@ class Speculator:
         k = min(st.gamma, room)
         if self.cost is None:
             return k, float(k)
-        k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g: prop.step_cost(batch, g))
+        over = self.overhead(name, prop, batch)
+        k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g: prop.step_cost(batch, g) + over)
         if k == 0:
             # drift back toward the prior while not drafting, so a sequence whose text turns repetitive (or
-            # copies from its input) gets to try again
+            # copies from its input) gets to try again; and let the measured unmodelled drafting time fade, so
+            # one slow call (a long catch-up, a pause) does not keep a drafter out for good: if it was no outlier,
+            # the next try measures it again
             st.acceptance_ema += 0.05 * (self.start_acceptance(seq, name) - st.acceptance_ema)
+            if name in self.propose_s:
+                self.propose_s[name] *= 1.0 - UNMODELLED_FADE
             return 0, 0.0
-        t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
+        t = self.cost(batch + k) + prop.step_cost(batch, k) + over
         return k, (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
 
     def overhead(self, name: str, prop: Proposer, batch: int) -> float:
-        """Measured seconds a drafting sequence adds to a step beyond the target forward: verification, plus
-        proposing where the drafter has no modelled step cost of its own (prompt lookup)."""
-        own = prop.step_cost(batch, 1) > 0  # draft models, heads: already in the rate through step_cost
-        return self.verify_s + (0.0 if own else self.propose_s.get(name, 0.0))
+        """Measured seconds a drafting sequence adds to a step beyond the target forward and the drafter's modelled
+        step cost: verification, plus the proposing time its model does not predict (never below 0: a model that
+        overestimates long chains does not make short ones look cheaper than they are)."""
+        return self.verify_s + max(0.0, self.propose_s.get(name, 0.0))
+
+    def _draft_seconds(self, name: str, n: int) -> float:
+        """Measured seconds one sequence's chain of ``n`` drafts took to propose (modelled + unmodelled part)."""
+        return self.proposers[name].step_cost(1, n) + max(0.0, self.propose_s.get(name, 0.0))
 
     @staticmethod
     def _ema(old: float, new: float) -> float:
         return new if old == 0.0 else old + OVERHEAD_EMA * (new - old)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A live target forward of ``rows`` tokens took ``seconds``: the step-cost model learns from it (one
+        process only: under tensor parallelism every rank must size alike, so the start-up calibration, taken
+        from rank 0, stands)."""
+        if self.cost is not None and group_size() == 1:
+            self.cost.observe(rows, seconds)
 
     # ------------------------------------------------------------------------------------------- actions
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
@@ -296,8 +317,9 @@ class Speculator:
             t0 = time.perf_counter()
             props = self.proposers[name].propose(seqs, [s.spec_budget for s in fresh]) if fresh else []
             if fresh:
-                per_seq = rank0_value(time.perf_counter() - t0) / len(seqs)  # rank 0's clock on every rank
-                self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), per_seq)
+                spent = rank0_value(time.perf_counter() - t0)  # rank 0's clock on every rank
+                modelled = self.proposers[name].step_cost(len(seqs), max(s.spec_budget for s in fresh))
+                self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (spent - modelled) / len(seqs))
             self.num_resumed += len(kept)
             for s in kept:  # the rest of a chain verified in chunks: no drafting this step
                 st = s.seq.draft_state
@@ -307,10 +329,12 @@ class Speculator:
                 props.append(Proposal(st.pending[1 : 1 + k], probs))
             for seq, prop in zip(seqs, props):
                 # the measured average, not this call's time: every decision reads the same smoothed clock
-                prop = self._chunk(seq, name, prop, self.propose_s.get(name, 0.0))
+                prop = self._chunk(seq, name, prop, self._draft_seconds(name, len(prop.tokens)))
                 if prop.tokens:
                     seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
-                elif self.router is not None and name in seq.draft_state.gamma:  # nothing to offer: none accepted
+                elif self.router is not None and name in seq.draft_state.gamma:
+                    # it ran and stopped before its first draft (a draft model below its confidence floor): the
+                    # step cost its time and gained nothing, as a verification that accepted nothing would
                     self.gamma.update(seq.draft_state.gamma[name], 1, 0)
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
@@ -331,9 +355,13 @@ class Speculator:
         row, seq.draft_state.hidden_row = seq.draft_state.hidden_row, -1
         if seq.draft_token_ids and seq.draft_state.tree_parents is None:  # a chain was verified this step
             self._count_positions(len(seq.draft_token_ids), len(seq.draft_state.accepted_path))
-        if not seq.is_finished and res.hidden.numel():
-            for prop in self.proposers.values():
-                prop.observe(seq, res.hidden[row])
+        # only drafters that keep the hidden state (heads) are called: indexing the row costs ~5 us a call, paid
+        # per sequence and drafter on every step, and most drafters ignore it
+        watchers = [p for p in self.proposers.values() if type(p).observe is not Proposer.observe]
+        if watchers and not seq.is_finished and res.hidden.numel():
+            hidden = res.hidden[row]
+            for prop in watchers:
+                prop.observe(seq, hidden)
         if self.router is not None and not seq.is_finished and self.router.domain_switch(seq) is not None:
             self._restart_estimates(seq)
 

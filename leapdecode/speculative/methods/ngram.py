@@ -50,6 +50,10 @@ class NgramProposer(Proposer):
                 return toks[pos : pos + k]
         return []
 
+    def has_draft(self, seq: Sequence) -> bool:
+        """A match for the sequence's suffix: without one there is nothing to propose."""
+        return bool(self.lookup(seq, 1))
+
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(s, k) if k > 0 else []) for s, k in zip(seqs, budgets)]
 
