@@ -44,13 +44,20 @@ def test_chunking_is_a_no_op_for_chains_sized_on_an_edgeless_cost_curve():
                     assert chunk_size(cost, alpha, gamma, batch) == gamma, (slope, batch, alpha, cap)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_chunked_verification_is_token_identical_greedy(method, tiny_model_dir, plain_tiny):
-    cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2, "use_cost_model": False}
+def _chunked_config(method: str, tiny_model_dir, **extra) -> dict:
+    """6-token chains verified 2 drafts at a time: prompt lookup on short n-grams, or the target as its own draft
+    model (every draft holds, so tails are resumed)."""
+    cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2, **extra}
     if method == "ngram":
         cfg.update(prompt_lookup_min=1, prompt_lookup_max=2)
     else:
-        cfg["model"] = str(tiny_model_dir)  # the target as its own draft: every draft holds, tails are resumed
+        cfg["model"] = str(tiny_model_dir)
+    return cfg
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_chunked_verification_is_token_identical_greedy(method, tiny_model_dir, plain_tiny):
+    cfg = _chunked_config(method, tiny_model_dir, use_cost_model=False)
     spec = LLM.from_engine_of(plain_tiny, speculative_config=cfg)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     outs = spec.generate(PROMPTS, params, use_tqdm=False)
@@ -92,11 +99,7 @@ def test_chunked_verification_keeps_the_sampling_distribution(tiny_model_dir, pl
 def test_kept_tails_inside_grouped_sizing_stay_lossless(method, tiny_model_dir, plain_tiny):
     """At batch 8 with the cost model on (so each step's drafts are sized together), resumed tails enter the plan
     as fixed sizes beside fresh chains; tokens equal plain decoding's."""
-    cfg = {"method": method, "num_speculative_tokens": 6, "verify_chunk": 2, "group_by_acceptance": True}
-    if method == "ngram":
-        cfg.update(prompt_lookup_min=1, prompt_lookup_max=2)
-    else:
-        cfg["model"] = str(tiny_model_dir)  # the target as its own draft: every draft holds, tails are resumed
+    cfg = _chunked_config(method, tiny_model_dir, group_by_acceptance=True)
     spec = LLM.from_engine_of(plain_tiny, speculative_config=cfg)
     sp = spec.engine.speculator
     sp.cost = StepCostModel([(1, 1.0), (65, 1.0)])  # drafting pays, whatever this machine's timing
