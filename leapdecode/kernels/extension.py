@@ -35,6 +35,12 @@ def _cpu_tag() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:10]
 
 
+def _checkout_tag() -> str:
+    """Short hash of this checkout's kernel folder: torch rebuilds whenever a build's include path changes, so two
+    checkouts sharing one build folder would rebuild each other's kernels on every alternate run."""
+    return hashlib.sha256(str(KERNELS).encode()).hexdigest()[:6]
+
+
 def _headers_tag() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(KERNELS.glob("*.h")))).hexdigest()[:12]
 
@@ -49,7 +55,7 @@ def load_kernel(required: bool = False):
         try:
             from torch.utils.cpp_extension import _get_build_directory
 
-            name = f"leapdecode_small_gemm_{_cpu_tag()}"
+            name = f"leapdecode_small_gemm_{_cpu_tag()}_{_checkout_tag()}"
             if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
                 print("leapdecode: building the CPU kernels (once, ~60 s)", file=sys.stderr, flush=True)
             ext = load_extension(  # behind an OS lock: a killed build cannot wedge later runs
