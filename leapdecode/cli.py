@@ -23,9 +23,11 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
 
 def make_llm(args: argparse.Namespace):
     from leapdecode import LLM
+    from leapdecode.server.serve import resolve_dtype
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-               num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
+    return LLM(model=args.model, dtype=resolve_dtype(args.dtype, args.device, args.model), device=args.device,
+               speculative_config=args.speculative_config, num_threads=args.threads,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def make_params(args: argparse.Namespace):
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="complete one prompt (streams to the terminal)", epilog=EPILOG)
     p.add_argument("prompt")
-    add_model_args(p)
+    add_model_args(p, auto_dtype=True)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and metrics")
     p.add_argument("--explain", action="store_true",
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the chat template (tokens stream)", epilog=EPILOG)
-    add_model_args(p)
+    add_model_args(p, auto_dtype=True)
     add_sampling_args(p, max_tokens=256)
     p.add_argument("--message", default=None, help="one-shot: answer this message and exit")
     p.add_argument("--system", default=None, help="system prompt")

@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None
             "--dtype",
             default="auto",
             choices=["auto", *DTYPES],
-            help="auto (default): float32 on CPU, the checkpoint's float16/bfloat16 on CUDA",
+            help="auto (default): float32 on CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16",
         )
     else:
         p.add_argument("--dtype", default="float32", choices=DTYPES)

@@ -134,6 +134,8 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None
+    # the tokenizer's folder, .gguf file or repo id, when it is not the model's (vLLM's ``tokenizer``)
+    tokenizer: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine.llm_engine import LLMEngine
+from leapdecode.models.hub import model_ref
 from leapdecode.models.loader import chat_token_ids
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
@@ -19,7 +20,9 @@ Prompt = str | dict[str, Any]
 class LLM:
     """An engine with a model loaded.
 
-    ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``model`` may be an HF folder or a ``.gguf`` file.
+    ``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``model`` may be an HF folder, a ``.gguf`` file or a Hugging
+    Face repo id (``"org/name"``, ``"org/name:Q4_K_M"`` for one GGUF quantization of a GGUF repo; ``revision`` and
+    ``gguf_file`` name a branch/tag/commit and a file of the repo; models/hub.py).
     ``speculative_config`` turns on a lossless speculative method, e.g. ``{"method": "ngram"}``.
     """
 
@@ -33,8 +36,14 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         speculative_config: dict[str, Any] | None = None,
+        revision: str | None = None,
+        gguf_file: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if model is None and (revision or gguf_file):
+            raise ValueError("revision and gguf_file need a Hugging Face repo id as model")
+        if model is not None:
+            model = model_ref(str(model), revision, gguf_file)  # "org/name@revision:file.gguf"
         known = set(EngineConfig.__dataclass_fields__)
         unknown = set(kwargs) - known
         if unknown:
@@ -80,15 +89,17 @@ class LLM:
         raise TypeError('a prompt must be a string or a dict with "prompt_token_ids" (or "prompt")')
 
     def apply_chat_template(
-        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """``conversation``'s token ids through the chat template; ``tools``: OpenAI-style function definitions for
-        templates that show them to the model."""
+        templates that show them to the model; ``chat_template_kwargs``: extra template variables (e.g. Qwen3's
+        ``{"enable_thinking": False}``)."""
         if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
-        return chat_token_ids(self.engine.tokenizer, conversation, tools)
+        return chat_token_ids(self.engine.tokenizer, conversation, tools, chat_template_kwargs)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -17,6 +17,10 @@ class RequestMetrics:
     num_target_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # verifications of a non-empty draft, and how many of them accepted the draft at position i (0-based), i.e.
+    # accepted more than i tokens: vLLM's spec_decode_num_drafts and _num_accepted_tokens_per_pos
+    num_drafts: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # drafts a lossy acceptance rule (blockwise top-k) kept although the target ranked another token first:
     # 0 for every lossless method, so a nonzero count is the per-request sign of drift

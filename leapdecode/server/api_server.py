@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both non-streaming and SSE streaming),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``,
-``GET /health``, ``GET /metrics`` (Prometheus). The model answers to its own name and to
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/embeddings``. The model answers to its own name and to
 ``default``. All requests share one engine loop (see :mod:`leapdecode.server.async_engine`); the routes live in
 :mod:`leapdecode.server.routes`, their shared plumbing in :mod:`leapdecode.server.serving`, the streaming
 invariants in :mod:`leapdecode.server.streaming`. A 500 means a server bug.
@@ -10,6 +10,7 @@ invariants in :mod:`leapdecode.server.streaming`. A 500 means a server bug.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,13 +23,16 @@ from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.llm import LLM
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import AsyncEngine
+from leapdecode.server.chat_output import ChatOutputConfig
 from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
+from leapdecode.server.embeddings import POOLINGS, EmbeddingRequest, EmbeddingResponse, Pooling
 from leapdecode.server.errors import install_error_handlers
 from leapdecode.server.metrics import ServerMetrics
 from leapdecode.server.middleware import ApiKeyAuth, RequestId, StatusCounter
 from leapdecode.server.openapi import install_component_schemas
-from leapdecode.server.routes import admin, chat, completions, tokens
+from leapdecode.server.routes import admin, chat, completions, embeddings, tokens
 from leapdecode.server.serving import Serving, as_llm, default_model_name
+from leapdecode.server.stats_log import StatsLogger
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (probes and scrapers)
 
@@ -40,28 +44,42 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
+    chat_output: ChatOutputConfig | None = None,
+    log_stats_interval: float | None = None,
+    embedding_pooling: Pooling = "last",
 ) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine``. The engine thread starts and stops with the app's lifespan,
     so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413.
 
     ``api_key``: every path but ``/health`` and ``/metrics`` then requires ``Authorization: Bearer <api_key>``.
-    ``allowed_origins``: the browser origins allowed by CORS (``["*"]`` for any); None answers no CORS headers."""
+    ``allowed_origins``: the browser origins allowed by CORS (``["*"]`` for any); None answers no CORS headers.
+    ``chat_output``: the tool-call and reasoning parsers of chat answers (default: chosen from the chat template).
+    ``log_stats_interval``: log a line of engine stats every that many seconds while there is work (None: never).
+    ``embedding_pooling``: how ``/v1/embeddings`` pools hidden states (``last`` token or ``mean``)."""
+    if embedding_pooling not in POOLINGS:
+        raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     llm = as_llm(llm_or_engine)
-    metrics = ServerMetrics()
+    name = model_name or default_model_name(llm.engine)
+    metrics = ServerMetrics(name)
     aengine = AsyncEngine(llm.engine, max_queue=max_queue)
     metrics.attach(aengine)
-    serving = Serving(llm, model_name or default_model_name(llm.engine), aengine, metrics, max_request_bytes)
+    serving = Serving(llm, name, aengine, metrics, max_request_bytes, chat_output)
+
+    stats_logger = StatsLogger(aengine, log_stats_interval) if log_stats_interval is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         aengine.start()
+        stats_task = asyncio.ensure_future(stats_logger.run()) if stats_logger is not None else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             aengine.stop()
 
     app = FastAPI(
@@ -76,6 +94,7 @@ def build_app(
     install_error_handlers(app)
     for module in (admin, chat, completions, tokens):
         module.add_routes(app, serving)
+    embeddings.add_routes(app, serving, embedding_pooling)
     endpoints = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
     # the last added runs first: count every answer, then CORS (a preflight carries no key), ids, the key
     if api_key is not None:
@@ -93,12 +112,13 @@ def build_app(
     install_component_schemas(
         app,
         [(m, "validation") for m in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeRequest)]
-        + [(P.DetokenizeRequest, "validation")]
+        + [(P.DetokenizeRequest, "validation"), (EmbeddingRequest, "validation")]
         + [
             (m, "serialization")
             for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
         ]
         + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
+        + [(EmbeddingResponse, "serialization")]
         + [(P.ErrorResponse, "serialization")],
     )
     return app

@@ -17,6 +17,21 @@ Engine-wide series (read at scrape time from the snapshot the engine thread publ
 * ``leapdecode_kv_blocks_in_use``, ``leapdecode_kv_blocks_total``, ``leapdecode_queue_length``
   (requests waiting for their first token), ``leapdecode_num_requests_running``,
   ``leapdecode_num_requests_waiting`` — gauges.
+
+vLLM's names and meanings, where they apply, each with a ``model_name`` label (dashboards built for vLLM read them
+as they are):
+
+* gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (the fraction
+  of KV blocks held, 0 to 1);
+* counters (``_total``) ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:num_preemptions`` (engine
+  lifetime), and, counted as each request finishes: ``vllm:request_success{finished_reason}``,
+  ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (prompt tokens looked up in the prefix cache, and
+  found there), ``vllm:spec_decode_num_drafts`` (verifications of a non-empty draft),
+  ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
+  ``vllm:spec_decode_num_accepted_tokens_per_pos{position}`` (drafts accepted at position 0, 1, ...: the
+  acceptance rate of position i is its rate() over the drafts' rate());
+* histograms ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
+  ``vllm:e2e_request_latency_seconds``.
 """
 
 from __future__ import annotations
@@ -34,10 +49,35 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
         self.async_engine = async_engine
+        self.model_name = model_name
+
+    def vllm_series(self) -> Iterator[Metric]:
+        """The engine-wide series under vLLM's names."""
+        g = self.async_engine.gauges
+        s = g.stats
+        label = ["model_name"]
+        for name, value, doc in (
+            ("vllm:num_requests_running", g.num_running, "Requests in the running batch."),
+            ("vllm:num_requests_waiting", g.num_waiting, "Requests waiting to be scheduled."),
+            ("vllm:kv_cache_usage_perc", g.kv_blocks_in_use / max(1, g.kv_blocks_total),
+             "Fraction of KV-cache blocks in use (1 = full)."),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, key, doc in (
+            ("vllm:prompt_tokens", "num_prompt_tokens", "Prompt tokens processed."),
+            ("vllm:generation_tokens", "num_output_tokens", "Tokens generated."),
+            ("vllm:num_preemptions", "num_preemptions", "Preemptions of running requests."),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=label)
+            counter.add_metric([self.model_name], s.get(key, 0))
+            yield counter
 
     def collect(self) -> Iterator[Metric]:
+        yield from self.vllm_series()
         g = self.async_engine.gauges
         s = g.stats
         for name, key, doc in (
@@ -73,12 +113,56 @@ class _EngineCollector(Collector):
         )
 
 
+class VllmRequestMetrics:
+    """vLLM's per-request series (counted as each request finishes), labelled with the served model's name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        r, label = registry, ["model_name"]
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, [*label, *extra], registry=r)
+
+        self.success = counter("vllm:request_success", "Finished requests by finish reason.", "finished_reason")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Verifications of a non-empty speculative draft.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafts accepted at each draft position (0-based).", "position")
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from submission to the first token.",
+                              label, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.",
+                              label, buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from submission to the last token.",
+                             label, buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_finish(self, out: StreamOutput, e2e_s: float, tpot_s: float | None) -> None:
+        name = self.model_name
+        for choice in out.choices:
+            self.success.labels(name, choice.finish_reason or "unknown").inc()
+        m = out.metrics
+        self.prefix_queries.labels(name).inc(m.num_prompt_tokens)
+        self.prefix_hits.labels(name).inc(m.num_cached_prompt_tokens)
+        self.drafts.labels(name).inc(m.num_drafts)
+        self.draft_tokens.labels(name).inc(m.num_draft_tokens)
+        self.accepted.labels(name).inc(m.num_accepted_tokens)
+        for pos, count in enumerate(m.accepted_per_pos):
+            self.accepted_per_pos.labels(name, str(pos)).inc(count)
+        self.e2e.labels(name).observe(e2e_s)
+        if tpot_s is not None:
+            self.tpot.labels(name).observe(tpot_s)
+
+
 class ServerMetrics:
     """The app's registry and the per-request instruments (all methods are cheap and thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "leapdecode") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmRequestMetrics(r, model_name)
         self.requests = Counter(
             "leapdecode_requests",
             "HTTP requests by endpoint and status code.",
@@ -109,18 +193,25 @@ class ServerMetrics:
 
     def attach(self, async_engine: AsyncEngine) -> None:
         """Export the engine-wide series of ``async_engine`` and hook the per-request observations."""
-        self.registry.register(_EngineCollector(async_engine))
-        async_engine.on_first_token = self.ttft.observe
+        self.registry.register(_EngineCollector(async_engine, self.model_name))
+        async_engine.on_first_token = self.observe_first_token
         async_engine.on_finish = self.observe_finish
         async_engine.on_abort = lambda: self.finished.labels(reason="abort").inc()
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.vllm.ttft.labels(self.model_name).observe(ttft_s)
 
     def observe_finish(self, out: StreamOutput, e2e_s: float) -> None:
         for choice in out.choices:
             self.finished.labels(reason=choice.finish_reason or "unknown").inc()
         self.e2e.observe(e2e_s)
         m = out.metrics
+        tpot = None
         if m.num_output_tokens > 1 and m.ttft_s is not None and m.e2e_s is not None:
-            self.tpot.observe((m.e2e_s - m.ttft_s) / (m.num_output_tokens - 1))
+            tpot = (m.e2e_s - m.ttft_s) / (m.num_output_tokens - 1)
+            self.tpot.observe(tpot)
+        self.vllm.observe_finish(out, e2e_s, tpot)
 
     def observe_error(self) -> None:
         self.finished.labels(reason="error").inc()

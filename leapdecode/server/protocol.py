@@ -5,8 +5,8 @@ Request models are *lenient about unknown fields* (ignored: OpenAI clients send 
 turns into a 400 with an OpenAI-style error body. Number fields take JSON numbers only (``"0.5"`` or ``true`` for
 ``temperature`` is a 400; ``0`` and ``1`` are fine; an integer field takes ``4.0`` as 4 but not ``4.5``),
 ``temperature`` is capped at 2 as in OpenAI's API, ``stop`` holds at most 64 strings, and every message except an
-assistant's must have content. Fields the engine cannot honour (``best_of`` other than ``n``, ``suffix``,
-``tool_choice: "auto"``) are rejected explicitly rather than silently ignored.
+assistant's must have content. Fields the engine cannot honour (``best_of`` other than ``n``, ``suffix``)
+are rejected explicitly rather than silently ignored.
 
 Response models mirror OpenAI's JSON; ``Usage`` adds leapdecode's speculative-decoding counters
 (``num_draft_tokens``, ``num_accepted_tokens``, ``mean_accepted_tokens``) next to the standard token counts.
@@ -35,6 +35,7 @@ from pydantic import (
 from leapdecode.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 from leapdecode.server.logprobs import ChatLogprobs, CompletionLogprobs
 from leapdecode.server.tools import (
+    ChosenTool,
     ResponseFormat,
     StructuredOutputsRequest,
     Tool,
@@ -276,6 +277,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    # vLLM's extension: extra variables for the chat template (e.g. Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -288,13 +291,14 @@ class ChatCompletionRequest(_SamplingRequest):
         """Top log-probabilities per generated token the engine must keep (None: no log-probabilities)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def tool_constraint(self) -> Tool | Literal["required"] | None:
-        """The tool (or any of them, ``"required"``) the output must call; None for text (a 400 for ``"auto"``)."""
+    def tool_constraint(self) -> ChosenTool:
+        """The tool (or any of them, ``"required"``) the output must call, ``"auto"`` (the model may call one in
+        its own syntax; a constraint on its text may apply too), or None for text."""
         try:
             chosen = chosen_tool(self.tools or [], self.tool_choice)
         except ValueError as e:
             raise APIError(str(e), param="tool_choice") from None
-        if chosen is not None and self.structured() is not None:
+        if chosen not in (None, "auto") and self.structured() is not None:
             raise APIError("a tool call cannot also follow response_format or structured_outputs", param="tool_choice")
         return chosen
 
@@ -380,6 +384,7 @@ class Usage(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # (vLLM's field) the thinking of templates with think tags
     tool_calls: list[ToolCall] | None = None
 
 
@@ -406,6 +411,7 @@ class ToolCallDelta(ToolCall):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -20,6 +20,7 @@ from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS
 from leapdecode.models.loader import resolve_model
 from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from leapdecode.server.request_ids import RequestIdFilter
+from leapdecode.server.serve_args import add_user_args, apply_config_file, engine_kwargs, resolve_model_arg
 
 if TYPE_CHECKING:
     import uvicorn
@@ -87,7 +88,7 @@ def read_chat_template(value: str) -> str:
 
 def resolve_dtype(dtype: str, device: str, model: str | None) -> str:
     """``auto``: float32 on CPU (the packed CPU kernels are float32); on other devices the checkpoint's
-    float16/bfloat16 when its config.json names one, else float32."""
+    float16/bfloat16 when its config.json names one, else bfloat16 (a GGUF file, a float32 checkpoint)."""
     if dtype != "auto":
         return dtype
     if device.startswith("cpu"):
@@ -98,7 +99,7 @@ def resolve_dtype(dtype: str, device: str, model: str | None) -> str:
         named = cfg.get("torch_dtype") or cfg.get("dtype")
         if named in ("float16", "bfloat16"):
             return named
-    return "float32"
+    return "bfloat16"
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
@@ -110,6 +111,7 @@ def load_llm(args: argparse.Namespace) -> LLM:
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     llm = LLM(
+        **engine_kwargs(args),
         model=args.model,
         dtype=resolve_dtype(args.dtype, args.device, args.model),
         device=args.device,
@@ -143,7 +145,13 @@ def configure_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``leapdecode serve``: load the model, then serve until Ctrl-C."""
     from leapdecode.server.api_server import build_app
+    from leapdecode.server.chat_output import ChatOutputConfig
+    from leapdecode.server.stats_log import startup_summary
 
+    apply_config_file(args, args.config_parser)
+    resolve_model_arg(args)
+    if not args.log_interval > 0:
+        raise ValueError(f"--log-interval must be > 0 seconds, got {args.log_interval}")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_request_bytes < 1:
@@ -153,15 +161,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key:
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
     configure_logging(args.log_level)
+    llm = load_llm(args)
     app = build_app(
-        load_llm(args),
+        llm,
         model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
+        chat_output=ChatOutputConfig(args.tool_call_parser, args.reasoning_parser),
+        log_stats_interval=None if args.disable_log_stats else args.log_interval,
+        embedding_pooling=args.embedding_pooling,
     )
     name = app.state.model_name
+    logging.getLogger("leapdecode.server").info(startup_summary(llm.engine, name))
 
     def ready(url: str) -> None:
         print(f"leapdecode: serving {name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
@@ -254,7 +267,8 @@ def add_cli(sub: Any) -> None:
         "--served-model-name", default=None, help="name in /v1/models (default: the model folder's name)"
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)
+    add_user_args(p)
+    p.set_defaults(func=cmd_serve, config_parser=p)
 
 
 if __name__ == "__main__":  # python -m leapdecode.server.serve ...

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from leapdecode.engine.llm_engine import KVCapacityError, LLMEngine
 from leapdecode.llm import LLM
-from leapdecode.models.hub import is_repo_id
+from leapdecode.models.hub import display_name, is_repo_id
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import (
@@ -39,6 +39,7 @@ from leapdecode.server.async_engine import (
     RequestStream,
     StreamOutput,
 )
+from leapdecode.server.chat_output import ChatOutputConfig
 from leapdecode.server.metrics import ServerMetrics
 from leapdecode.server.streaming import (
     SSE_DONE,
@@ -62,7 +63,7 @@ def default_model_name(engine: LLMEngine) -> str:
     ``.gguf`` file's stem)."""
     asked = str(engine.config.model or "")
     if is_repo_id(asked) and not Path(asked).exists():
-        return asked.partition("@")[0]
+        return display_name(asked)
     path = getattr(engine, "model_path", None)
     if not path:
         return "leapdecode"
@@ -106,9 +107,11 @@ class Serving:
     """The state and plumbing the routes share; one per app."""
 
     def __init__(
-        self, llm: LLM, name: str, aengine: AsyncEngine, metrics: ServerMetrics, max_request_bytes: int
+        self, llm: LLM, name: str, aengine: AsyncEngine, metrics: ServerMetrics, max_request_bytes: int,
+        chat_output: ChatOutputConfig | None = None,
     ) -> None:
         self.llm = llm
+        self.chat_output = chat_output or ChatOutputConfig()
         self.engine = llm.engine
         self.name = name
         self.aengine = aengine

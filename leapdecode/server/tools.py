@@ -9,9 +9,10 @@ generation (``StructuredOutputsParams``).
   ``[{"name": <a tool's name>, "parameters": <its parameters>}]``; a named function (``{"type": "function",
   "function": {"name"}}``) constrains it to that function's parameters (compact JSON either way). The answer
   carries them as ``tool_calls`` (``finish_reason: "tool_calls"``, ``"stop"`` for a named function). ``"none"``
-  generates text. ``"auto"`` (the default when ``tools`` are given) would need the model's own tool-call syntax,
-  which is model-specific: it is refused with a 400 that says what to send instead, never silently treated as
-  text.
+  generates text (the tools are then not shown to the model). ``"auto"`` (the default when ``tools`` are given)
+  lets the model decide, in its own tool-call syntax, which the parser chosen from its chat template reads
+  (:mod:`leapdecode.server.tool_parsers`); a template without tool-call syntax makes it a 400 that says what to
+  send instead, never silently text.
 """
 
 from __future__ import annotations
@@ -121,23 +122,21 @@ def structured_outputs_params(req: StructuredOutputsRequest) -> StructuredOutput
     )
 
 
-def chosen_tool(tools: list[Tool], choice: ToolChoice | None) -> Tool | Literal["required"] | None:
-    """Which constraint the request's tools impose: one named tool, ``"required"`` (any one or more), or None (plain
-    text). ``ValueError`` for ``"auto"`` and for a named function that is not among ``tools``."""
+ChosenTool = Tool | Literal["required", "auto"] | None
+
+
+def chosen_tool(tools: list[Tool], choice: ToolChoice | None) -> ChosenTool:
+    """Which calls the request's tools allow: one named tool, ``"required"`` (any one or more, constrained),
+    ``"auto"`` (the model decides, in its own syntax) or None (plain text). ``ValueError`` for a named function that
+    is not among ``tools``."""
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
     if not tools:
         raise ValueError(f"tool_choice {choice!r} needs tools")
-    if choice == "auto":
-        raise ValueError(
-            'tool_choice "auto" (the default with tools) is not supported: the model decides in its own tool-call '
-            'syntax, which this server does not parse. Send tool_choice "required" (one or more calls, constrained '
-            'to the tools\' schemas), a named function {"type": "function", "function": {"name": ...}}, or "none"'
-        )
-    if choice == "required":
-        return "required"
+    if choice in ("auto", "required"):
+        return choice
     for tool in tools:
         if tool.function.name == choice.function.name:
             return tool
@@ -166,6 +165,11 @@ def tool_call_schema(tools: list[Tool], chosen: Tool | Literal["required"]) -> d
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls} if len(calls) > 1 else calls[0]}
 
 
+def tool_call(name: str, arguments: str) -> ToolCall:
+    """One call as the answer carries it, with a fresh id."""
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+
+
 def parse_tool_calls(text: str, chosen: Tool | Literal["required"]) -> list[ToolCall] | None:
     """The calls in a constrained output, or None when it is not complete JSON (generation hit ``max_tokens``)."""
     try:
@@ -176,7 +180,4 @@ def parse_tool_calls(text: str, chosen: Tool | Literal["required"]) -> list[Tool
         pairs = [(chosen.function.name, value)]
     else:
         pairs = [(call["name"], call["parameters"]) for call in value]
-    return [
-        ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=json.dumps(args)))
-        for name, args in pairs
-    ]
+    return [tool_call(name, json.dumps(args)) for name, args in pairs]

@@ -408,6 +408,10 @@ class Speculator:
         m = seq.metrics
         m.num_draft_tokens += drafted
         m.num_accepted_tokens += accepted
+        m.num_drafts += drafted > 0
+        m.accepted_per_pos.extend([0] * (accepted - len(m.accepted_per_pos)))
+        for i in range(accepted):
+            m.accepted_per_pos[i] += 1
         st.accepted_path = path  # which nodes: a hybrid tells its trunk drafter how much was its own
         prop.on_verified(seq, seq.num_tokens, accepted)
         st.hidden_row = hidden_row

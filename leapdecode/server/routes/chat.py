@@ -3,7 +3,10 @@
 ``logprobs``/``top_logprobs`` add OpenAI's chat log-probabilities; ``response_format`` constrains the text;
 ``tools`` with ``tool_choice`` ``"required"`` or a named function constrain the output to the tools' JSON schemas
 and answer ``tool_calls`` (``finish_reason: "tool_calls"``; ``"stop"`` for a named function, as OpenAI's API does;
-see :mod:`leapdecode.server.tools`; streamed, the calls come whole in the choice's last chunk).
+see :mod:`leapdecode.server.tools`; streamed, the calls come whole in the choice's last chunk). Under
+``tool_choice: "auto"`` (the default with tools) the model writes calls in its own syntax, read by the parser its
+chat template implies; templates with think tags answer ``reasoning_content`` beside ``content``; both streamed as
+deltas (:mod:`leapdecode.server.chat_output`). ``chat_template_kwargs`` are extra template variables.
 """
 
 from __future__ import annotations
@@ -15,13 +18,52 @@ from fastapi import FastAPI, Request
 
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import ChoiceSnapshot, StreamOutput
+from leapdecode.server.chat_output import THINK_START, ChatOutputParser, ChatOutputStream
 from leapdecode.server.logprobs import ChatLogprobs, LogprobFormatter
 from leapdecode.server.openapi import route
 from leapdecode.server.serving import COMPLETION_ERRORS, Serving, not_unicode
 from leapdecode.server.streaming import Delta
-from leapdecode.server.tools import Tool, ToolCall, parse_tool_calls, tool_constraint
+from leapdecode.server.tool_parsers import TOOL_PARSERS, ToolParser, make_tool_parser
+from leapdecode.server.tools import ChosenTool, Tool, ToolCall, parse_tool_calls, tool_call, tool_constraint
 
 ToolConstraint = Tool | Literal["required"] | None
+# prompt tokens read back to see whether the generation prompt opened a think block
+THINK_PROMPT_TOKENS = 6
+
+
+class AnswerText:
+    """A choice's text for the output parser: the detokenized text, with the parser's markers put back where they
+    are special tokens that detokenization drops (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``)."""
+
+    def __init__(self, tokenizer: Any, parser: ToolParser | None) -> None:
+        self.tokenizer = tokenizer
+        self.markers: dict[int, str] = {}
+        for marker in parser.markers if parser is not None else ():
+            tid = tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id \
+                    and tokenizer.decode([tid], skip_special_tokens=True) == "":
+                self.markers[tid] = marker
+
+    def __call__(self, c: ChoiceSnapshot) -> str:
+        if not self.markers or not any(t in self.markers for t in c.token_ids):
+            return c.text
+        parts, segment = [], []
+        for t in c.token_ids:
+            if t in self.markers:
+                parts += [self.tokenizer.decode(segment, skip_special_tokens=True), self.markers[t]]
+                segment = []
+            else:
+                segment.append(t)
+        parts.append(self.tokenizer.decode(segment, skip_special_tokens=True))
+        return "".join(parts)
+
+
+def parsed_answer(parser: ChatOutputParser, text: str) -> P.ChatResponseMessage:
+    """The message of a finished choice split by ``parser``."""
+    answer = parser.parse(text, True)
+    calls = [tool_call(call.name, call.arguments) for call in answer.calls] or None
+    content = None if calls and not answer.content else answer.content
+    return P.ChatResponseMessage(content=content, reasoning_content=answer.reasoning, tool_calls=calls)
 
 
 def answer(c: ChoiceSnapshot, tool: ToolConstraint) -> tuple[str | None, list[ToolCall] | None, str | None]:
@@ -59,16 +101,40 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     name = serving.name
     tokenizer = serving.engine.tokenizer
     formatter = LogprobFormatter(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    parser_name = serving.chat_output.tool_parser(template)
+    reasoning = serving.chat_output.reasoning(template)
+    answer_text = AnswerText(tokenizer, make_tool_parser(parser_name) if parser_name else None)
 
-    async def encode(req: P.ChatCompletionRequest) -> list[int]:
+    async def encode(req: P.ChatCompletionRequest, tool: ChosenTool) -> list[int]:
         conversation = req.conversation()
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        shown = req.tools if req.tools and tool is not None else None  # "none": the model is not shown them
+        tools = [t.model_dump(exclude_none=True) for t in shown] if shown else None
         try:
             # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
-            return await asyncio.to_thread(serving.llm.apply_chat_template, conversation, tools)
+            return await asyncio.to_thread(
+                serving.llm.apply_chat_template, conversation, tools, req.chat_template_kwargs
+            )
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
             why = not_unicode([m["content"] for m in conversation]) or str(e)
-            raise P.APIError(f"could not apply the chat template: {why}", param="messages") from None
+            param = "chat_template_kwargs" if "template variables" in str(e) else "messages"
+            raise P.APIError(f"could not apply the chat template: {why}", param=param) from None
+
+    def output_parser(tool: ChosenTool, tokens: list[int]) -> ChatOutputParser | None:
+        """The parser of the answer's text (None: the text is the content as it is)."""
+        if tool == "auto" and parser_name is None:
+            raise P.APIError(
+                'tool_choice "auto" (the default with tools) lets the model call tools in its own syntax, but this '
+                "model's chat template shows no tool-call syntax; start the server with --tool-call-parser "
+                f"({', '.join(TOOL_PARSERS)}) and a --chat-template that teaches it, or send tool_choice "
+                '"required", a named function {"type": "function", "function": {"name": ...}} or "none"',
+                param="tool_choice",
+            )
+        tools = make_tool_parser(parser_name) if tool == "auto" and parser_name else None
+        if tool not in (None, "auto") or (tools is None and not reasoning):
+            return None
+        opened = reasoning and tokenizer.decode(tokens[-THINK_PROMPT_TOKENS:]).rstrip().endswith(THINK_START)
+        return ChatOutputParser(tools, reasoning, opened)
 
     @route(app, "POST", "/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse,
            COMPLETION_ERRORS, streams=True)
@@ -76,12 +142,16 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req: P.ChatCompletionRequest = await serving.parse(request, P.ChatCompletionRequest)
         serving.check_model(req.model)
         req.check_supported()
-        tool = req.tool_constraint()
-        tokens = await encode(req)
+        chosen = req.tool_constraint()
+        tool: ToolConstraint = None if chosen == "auto" else chosen
+        tokens = await encode(req, chosen)
+        parser = output_parser(chosen, tokens)
         extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
         if tool is not None:
             extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
         params = serving.sampling_params(req, len(tokens), "messages", **extra)
+        hold = max((len(stop) for stop in params.stop_list), default=1) - 1
+        outputs: dict[int, ChatOutputStream] = {}
         streams = await serving.submit_all([(tokens, None)], [params], "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
         n = req.n or 1
@@ -91,8 +161,32 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
                 return None
             return formatter.chat(c.token_ids[start:], c.logprobs[start:], req.top_logprobs or 0)
 
+        def parsed_delta(delta: Delta) -> tuple[dict[str, Any], str | None] | None:
+            """A streamed chunk's delta with the answer split by ``parser``."""
+            c = delta.choice
+            if delta.first or c is None:
+                return {"role": "assistant", "content": ""}, None
+            assert parser is not None
+            stream = outputs.setdefault(delta.index, ChatOutputStream(parser, hold))
+            parts = stream.update(answer_text(c), c.finished)
+            reason = ("tool_calls" if stream.num_calls else c.finish_reason) if c.finished else None
+            if not parts and reason is None:
+                return None
+            content: dict[str, Any] = {}
+            if parts.reasoning:
+                content["reasoning_content"] = parts.reasoning
+            if parts.content:
+                content["content"] = parts.content
+            if parts.calls:
+                content["tool_calls"] = [
+                    P.ToolCallDelta(index=i, **tool_call(call.name, call.arguments).model_dump()).model_dump()
+                    for i, call in parts.calls
+                ]
+            return content, reason
+
         def chunk(delta: Delta) -> dict[str, Any] | None:
-            if (got := delta_content(delta, tool)) is None:
+            got = parsed_delta(delta) if parser is not None else delta_content(delta, tool)
+            if got is None:
                 return None
             content, reason = got
             c = delta.choice
@@ -109,8 +203,12 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         def body(finals: list[StreamOutput]) -> P.ChatCompletionResponse:
             choices = []
             for c in finals[0].choices:
-                text, calls, reason = answer(c, tool)
-                message = P.ChatResponseMessage(content=text, tool_calls=calls)
+                if parser is not None:
+                    message = parsed_answer(parser, answer_text(c))
+                    reason = "tool_calls" if message.tool_calls else c.finish_reason
+                else:
+                    text, calls, reason = answer(c, tool)
+                    message = P.ChatResponseMessage(content=text, tool_calls=calls)
                 lp = logprobs(c, 0)
                 choices.append(P.ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason))
             return P.ChatCompletionResponse(
