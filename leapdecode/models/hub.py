@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import huggingface_hub
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -94,7 +95,7 @@ _HUB_ERRORS = (LocalEntryNotFoundError, GatedRepoError, RepositoryNotFoundError,
 
 def repo_files(repo: str, revision: str | None) -> list[str]:
     """The repo's files: the Hub's list online, the cached snapshot's offline (nothing is downloaded)."""
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+    if not hub_constants.HF_HUB_OFFLINE:  # read per call: the environment's value, or a test's
         try:
             return huggingface_hub.list_repo_files(repo, revision=revision)
         except (GatedRepoError, RepositoryNotFoundError):
