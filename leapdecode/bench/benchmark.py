@@ -408,7 +408,9 @@ def add_cli(sub) -> None:
     add_tensor_parallel_arg(p)
     p.add_argument("--prompts", default="mt_bench",
                    help="mt_bench (default), grounded (summaries/extraction over WikiText passages), mixed (the two "
-                   "alternating: some requests copy, some chat), or a question.jsonl path (Spec-Bench style 'turns', "
+                   "alternating: some requests copy, some chat), agentic (coding-agent requests over HumanEval "
+                   "functions: a shared system prompt and tools, a function pasted back, an edit asked), or a "
+                   "question.jsonl path (Spec-Bench style 'turns', "
                    "or 'prompt' records)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)

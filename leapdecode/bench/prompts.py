@@ -63,12 +63,51 @@ def grounded_prompts(limit: int | None, passage_words: int = 300) -> list[str]:
     return out[:limit] if limit else out
 
 
+AGENT_SYSTEM = """You are a coding agent working in a Python repository. Tools you can call:
+- read_file(path): returns the file's text.
+- write_file(path, text): replaces the file's text.
+- run_tests(path): runs the file's doctests and returns the failures.
+Answer with the complete new version of the function you edit, in one Python code block, then one line saying
+what changed. Keep every line you do not need to change exactly as it was."""
+AGENT_EDITS = [
+    "Add a check at the top that raises TypeError with a clear message when an argument has the wrong type.",
+    "Rename the local variables to longer descriptive names, changing nothing else.",
+    "Add a short comment above every loop and every return saying what it does.",
+]
+
+
+def agentic_prompts(limit: int | None) -> list[str]:
+    """An agent loop's requests over HumanEval functions: every request repeats the same system prompt and tool
+    descriptions, pastes the function back (as a read_file result) and asks for an edit; the next request about
+    the same file pastes the previous request's function again with the next edit, so most of every answer is a
+    copy of text the request (and earlier requests) already hold. The previous answer is the reference solution
+    here, not the model's own output: a prompt set is fixed before any model runs."""
+    path = shared_data_dir() / "code" / "humaneval.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (set LEAPDECODE_DATA)")
+    out = []
+    for line in open(path, encoding="utf-8"):
+        rec = json.loads(line)
+        code = rec["prompt"] + rec["canonical_solution"]
+        name = rec["entry_point"]
+        for turn, edit in enumerate(AGENT_EDITS[:2]):
+            history = "" if turn == 0 else (f"[earlier in this session you edited {name} with: "
+                                            f"{AGENT_EDITS[turn - 1]}]\n")
+            out.append(f"{AGENT_SYSTEM}\n\n{history}[tool call] read_file(\"src/{name}.py\")\n[tool result]\n"
+                       f"```python\n{code}```\n\nTask: {edit}")
+            if limit and len(out) >= limit:
+                return out
+    return out
+
+
 def load_prompt_set(name: str, limit: int | None) -> list[str]:
     data = shared_data_dir()
     if name == "mt_bench":
         return load_questions(data / "mt_bench" / "question.jsonl", limit)
     if name == "grounded":
         return grounded_prompts(limit)
+    if name == "agentic":
+        return agentic_prompts(limit)
     if name == "mixed":  # a mixed workload: grounded prompts and MT-Bench first turns, alternating
         half = None if limit is None else (limit + 1) // 2
         pairs = zip(grounded_prompts(half), load_questions(data / "mt_bench" / "question.jsonl", half))
