@@ -53,6 +53,7 @@ class Measurement:
     hogs: int
     tok_s: float
     ratio_to_quiet: float = 1.0
+    tuner: str = "-"  # leapdecode's thread tuner at the end: its count, switches and probes (e.g. "1 s1 p2")
 
 
 def worker(model: str | None, threads: int | None, tokens: int, repeats: int) -> dict[str, float]:
@@ -69,7 +70,9 @@ def worker(model: str | None, threads: int | None, tokens: int, repeats: int) ->
         start = time.perf_counter()
         out = llm.generate(PROMPT, params, use_tqdm=False)[0]
         speeds.append(len(out.outputs[0].token_ids) / (time.perf_counter() - start))
-    return {"tok_s": statistics.median(speeds), "threads": torch.get_num_threads()}
+    tuner = llm.engine.thread_tuner
+    state = "-" if tuner is None else f"{tuner.current} s{tuner.num_switches} p{tuner.num_probes}"
+    return {"tok_s": statistics.median(speeds), "threads": torch.get_num_threads(), "tuner": state}
 
 
 def llamacpp_worker(model: str | None, tokens: int, repeats: int) -> dict[str, float]:
@@ -125,9 +128,9 @@ def hf_worker(model: str | None, tokens: int, repeats: int) -> dict[str, float]:
     return {"tok_s": statistics.median(speeds), "threads": torch.get_num_threads()}
 
 
-def measure(args: argparse.Namespace, system: str, wait: str, threads: str, hogs: int) -> float:
-    """Decode tok/s of a fresh ``system`` worker (leapdecode: with ``wait`` and ``threads``) while ``hogs`` busy
-    processes run."""
+def measure(args: argparse.Namespace, system: str, wait: str, threads: str, hogs: int) -> dict:
+    """The answer of a fresh ``system`` worker (leapdecode: with ``wait`` and ``threads``) while ``hogs`` busy
+    processes run: decode tok/s, and leapdecode's tuner state."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     env.update(WAIT_ENV.get(wait, {}))
     cmd = [sys.executable, "-m", "leapdecode.eval.contention", "--worker", system, "--tokens", str(args.tokens)]
@@ -144,7 +147,7 @@ def measure(args: argparse.Namespace, system: str, wait: str, threads: str, hogs
     if done.returncode != 0:
         raise RuntimeError(f"the {system} worker failed ({wait}, {threads} threads, {hogs} hogs): "
                            f"{done.stderr[-2000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -166,10 +169,12 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     for system, wait, threads in configurations(args):
         quiet = None
         for hogs in (int(h) for h in args.hogs.split(",")):
-            tok_s = measure(args, system, wait, threads, hogs)
+            answer = measure(args, system, wait, threads, hogs)
+            tok_s, tuner = float(answer["tok_s"]), str(answer.get("tuner", "-"))
             quiet = tok_s if quiet is None else quiet  # the first hog count (0 by default) is the baseline
-            rows.append(Measurement(system, wait, threads, hogs, round(tok_s, 1), round(tok_s / quiet, 3)))
-            print(f"{system:10s} {wait:10s} {threads:>7s} {hogs:5d} {tok_s:9.1f} {tok_s / quiet:8.2f}x", flush=True)
+            rows.append(Measurement(system, wait, threads, hogs, round(tok_s, 1), round(tok_s / quiet, 3), tuner))
+            print(f"{system:10s} {wait:10s} {threads:>7s} {hogs:5d} {tok_s:9.1f} {tok_s / quiet:8.2f}x  {tuner}",
+                  flush=True)
     return rows
 
 
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"batch-1 greedy decode, {args.tokens} tokens, {available_cpus()} CPUs available to this process")
     configurations(args)  # bad --systems / --waits: an error before anything runs
-    print(f"{'system':10s} {'wait':10s} {'threads':>7s} {'hogs':>5s} {'tok/s':>9s} {'x quiet':>9s}")
+    print(f"{'system':10s} {'wait':10s} {'threads':>7s} {'hogs':>5s} {'tok/s':>9s} {'x quiet':>9s}  "
+          "tuner (count, switches, probes)")
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:
