@@ -3,9 +3,10 @@ while they were ready to run, and how long the CPUs it may use sat idle. :class:
 reads both to tell a busy neighbour from a quiet machine without timing anything itself.
 
 * **Run delay** (``/proc/self/task/*/schedstat``, second field, nanoseconds): the time each thread spent runnable
-  but not running. On a quiet machine a decode step's threads each have a CPU and it stays near zero (measured
-  below); beside a process that keeps a CPU busy, the OpenMP threads take turns with it and their delay grows by a
-  large share of the wall time.
+  but not running. On a quiet machine a decode step's threads each have a CPU and it stays near zero; beside a
+  process that keeps a CPU busy, the OpenMP threads take turns with it and their delay grows by a large share of
+  the wall time (2-vCPU EPYC, bundled model, two threads: 0.00-0.01 of the wall time quiet, 0.50 beside one busy
+  process; one thread: 0.00 in both, it has the other CPU to itself; docs/threads.md).
 * **Idle time** (``/proc/stat``, the ``idle`` and ``iowait`` columns of each ``cpuN`` line in this process's
   affinity mask, in clock ticks): how many of those CPUs nobody used. With fewer threads than CPUs, an idle CPU
   says the neighbour that took it has left.

@@ -12,8 +12,9 @@ turn a neighbour into a 4-10x slowdown:
 
 :func:`available_cpus` counts the CPUs actually granted (affinity mask and cgroup quota, v2 or v1);
 :func:`configure` lowers torch's thread count to it (or sets what the user asked for). :class:`ThreadTuner`
-then picks, between engine steps, whether all those threads or half of them decode faster right now, by timing
-a step with the other count every so often next to a step of the same size.
+then picks, between engine steps, whether all those threads or half of them decode faster right now: it probes
+the other count when the OS says a neighbour wants our CPUs (:mod:`leapdecode.cpu_load`) or the step time jumps,
+and decides on the medians of steps timed once the change has settled (docs/threads.md has the measurements).
 
 Measured with ``python -m leapdecode.eval.contention`` on the 2-vCPU AMD EPYC (Zen 5) of 2026-12-01, a 1.1B
 Q4_K_M model, batch 1, tok/s: OpenMP's default waits (spinning, then sleeping) give 39.4 quiet but 11.2 beside
