@@ -1,0 +1,110 @@
+"""Step cost by rows: what one target forward of n new tokens costs, for each linear kernel, next to llama.cpp.
+
+Run: ``python -m leapdecode.eval.step_rows --model FILE.gguf --linear-kernels auto,packed-int8act``. Two shapes of
+a step with n rows are timed on the engine's own model runner (scratch sequences borrowed from the KV pool, as the
+speculative cost model times its steps):
+
+- ``tree``: one sequence verifying n new tokens after ``--context`` cached ones (draft or tree verification);
+- ``batch``: n sequences of ``--context`` cached tokens, one new token each (a batched decode step).
+
+Each cell is the median of ``--repeats`` timings in milliseconds and its ratio to the one-row step. With
+``--compare llama.cpp`` llama.cpp's time to evaluate n tokens after the same context (its verification curve, in a
+child process) is added, so the ratios sit side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import ExitStack
+
+import torch
+
+from leapdecode.bench.external import run_isolated
+from leapdecode.engine.model_runner import ForwardItem
+from leapdecode.llm import LLM
+from leapdecode.threads import THREADS_HELP
+
+SHAPES = ("tree", "batch")
+
+
+def step_costs(llm: LLM, rows: list[int], context: int, shape: str, repeats: int) -> list[float]:
+    """Median seconds of one forward of each row count in ``rows`` after ``context`` cached tokens. The row counts
+    are timed in turn, ``repeats`` rounds after a warm-up round, so a slow spell of a shared machine lands on all
+    of them alike."""
+    eng = llm.engine
+    runner, bm = eng.runner, eng.block_manager
+    torch.set_num_threads(eng.num_threads)
+    times: list[list[float]] = [[] for _ in rows]
+    with ExitStack() as stack:
+        steps = []
+        for n in rows:
+            seqs, per_seq = (1, n) if shape == "tree" else (n, 1)
+            tables = [stack.enter_context(bm.borrowed(context + per_seq, "a step-cost timing")) for _ in range(seqs)]
+            steps.append([ForwardItem(t, context, [(7 * i + 11) % 1000 + 100 for i in range(per_seq)],
+                                      list(range(per_seq))) for t in tables])
+        for rnd in range(repeats + 1):
+            for i, items in enumerate(steps):
+                t0 = time.perf_counter()
+                runner.execute(items)
+                if rnd:
+                    times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def llamacpp_costs(path: str, rows: list[int], context: int, threads: int | None, repeats: int) -> list[float]:
+    """llama.cpp's seconds to evaluate n tokens after ``context`` tokens (child process, see bench/external.py)."""
+    from llama_cpp import Llama
+
+    from leapdecode.bench.external import llamacpp_step_costs
+    from leapdecode.threads import available_cpus
+
+    llm = Llama(model_path=path, n_ctx=max(512, context + max(rows) + 16), n_threads=threads or available_cpus(),
+                n_batch=max(512, max(rows)), verbose=False)
+    ctx = [(13 * i + 5) % 1000 + 100 for i in range(context)]
+    return [t for _, t in llamacpp_step_costs(llm, ctx, tuple(rows), repeats)]
+
+
+def format_row(label: str, costs: list[float]) -> str:
+    return f"| {label} | " + " | ".join(f"{t * 1e3:.2f} ({t / costs[0]:.2f}x)" for t in costs) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
+    p.add_argument("--linear-kernels", default="auto,packed-int8act", help="comma list of linear_kernel settings")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma list of row counts (the first is the 1x)")
+    p.add_argument("--shapes", default="tree,batch", help=f"comma list of: {', '.join(SHAPES)}")
+    p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--compare", default="", help="llama.cpp: its time to evaluate n tokens after the context")
+    a = p.parse_args(argv)
+    rows = [int(r) for r in a.rows.split(",") if r]
+    shapes = [s for s in a.shapes.split(",") if s]
+    if not rows or min(rows) < 1 or not set(shapes) <= set(SHAPES) or a.compare not in ("", "llama.cpp"):
+        p.error("--rows: positive integers; --shapes: tree, batch; --compare: llama.cpp")
+    lines = []
+    path = None
+    for kernel in (k for k in a.linear_kernels.split(",") if k):
+        llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
+        path = str(llm.engine.model_path)
+        for shape in shapes:
+            lines.append(format_row(f"leapdecode {kernel}, {shape}", step_costs(llm, rows, a.context, shape,
+                                                                                a.repeats)))
+            print(lines[-1], flush=True)
+        del llm
+    if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
+        costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")
+        if costs:
+            lines.append(format_row("llama.cpp (n tokens of one sequence)", costs))
+    print(f"\n{path}: {torch.get_num_threads()} threads, {a.context} cached tokens; median ms per step (x one row)\n")
+    print("| system, kernel, shape | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
