@@ -21,10 +21,10 @@ from contextlib import ExitStack
 
 import torch
 
-from leapdecode.bench.external import run_isolated
+from leapdecode.bench.external import llamacpp_step_costs, run_isolated
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.llm import LLM
-from leapdecode.threads import THREADS_HELP
+from leapdecode.threads import THREADS_HELP, available_cpus
 
 SHAPES = ("tree", "batch")
 
@@ -55,10 +55,7 @@ def step_costs(llm: LLM, rows: list[int], context: int, shape: str, repeats: int
 
 def llamacpp_costs(path: str, rows: list[int], context: int, threads: int | None, repeats: int) -> list[float]:
     """llama.cpp's seconds to evaluate n tokens after ``context`` tokens (child process, see bench/external.py)."""
-    from llama_cpp import Llama
-
-    from leapdecode.bench.external import llamacpp_step_costs
-    from leapdecode.threads import available_cpus
+    from llama_cpp import Llama  # an optional dependency, imported where it is needed (as bench/external.py does)
 
     llm = Llama(model_path=path, n_ctx=max(512, context + max(rows) + 16), n_threads=threads or available_cpus(),
                 n_batch=max(512, max(rows)), verbose=False)
