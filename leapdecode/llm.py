@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -155,6 +155,7 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                raise_failed(engine, order)
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)
@@ -181,5 +182,12 @@ class LLM:
                         yield out
                         if out.finished:
                             return
+                raise_failed(self.engine, (rid,))
         finally:
             self.engine.abort_request(rid)
+
+
+def raise_failed(engine: LLMEngine, request_ids: Iterable[str]) -> None:
+    """Raise the error of the first of ``request_ids`` that a step failed (the engine aborted it)."""
+    for err in engine.take_failed(request_ids).values():
+        raise err

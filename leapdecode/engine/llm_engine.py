@@ -6,6 +6,8 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -46,6 +48,15 @@ PROMPT_LOGPROB_ROWS = 64
 class KVCapacityError(ValueError):
     """A request needs more KV blocks than the whole cache holds: it could never run, even alone, so it is refused
     when added (rather than admitted to be preempted and recomputed forever)."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request raised inside a step: the engine aborted it (its blocks freed) and went on with the
+    others. ``__cause__`` is the original error."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id!r} failed in an engine step ({type(cause).__name__}: {cause})")
+        self.request_id = request_id
 
 
 class LLMEngine:
@@ -130,6 +141,8 @@ class LLMEngine:
             self.runner.graph_step = self.graphs.execute
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self.failed: dict[str, RequestFailedError] = {}  # requests a step aborted, until take_failed() reads them
+        self.failed_forwards = 0  # steps in a row whose forward failed for every sequence in them (health)
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
         self._structured_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}  # decode_token's cache
@@ -253,6 +266,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def take_failed(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestFailedError]:
+        """The requests steps aborted because processing them raised (request id -> error), not taken before;
+        only those of ``request_ids`` when given."""
+        if request_ids is None:
+            failed, self.failed = self.failed, {}
+            return failed
+        return {rid: self.failed.pop(rid) for rid in request_ids if rid in self.failed}
+
+    def _fail_request(self, request_id: str, cause: BaseException) -> None:
+        """Contain an error to the request it came from: abort it (all its sequences) and record why."""
+        if request_id not in self.requests:
+            return
+        err = RequestFailedError(request_id, cause)
+        err.__cause__ = cause
+        self.failed[request_id] = err
+        self.abort_request(request_id)
+
     # ----------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that produced tokens or finished. Under tensor
@@ -314,6 +344,8 @@ class LLMEngine:
             self.executor.shutdown()
 
     def _step(self) -> list[RequestOutput]:
+        """One step. An error while processing one request (drafting for it, its forward, sampling, its grammar,
+        its log-probabilities, detokenizing) fails that request alone (``take_failed``); the others go on."""
         spec = self.speculator
         sched = self.scheduler.schedule(spec.budget_for if spec else None)
         if not sched.scheduled:
@@ -325,10 +357,11 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.draft_token_ids, s.seq.draft_probs = [], None
         if spec:
-            spec.propose([s for s in sched.scheduled if s.spec_budget > 0])
+            self._propose([s for s in sched.scheduled if s.spec_budget > 0])
+        scheduled = [s for s in sched.scheduled if not s.seq.is_finished]  # (a failed request is aborted)
         items: list[ForwardItem] = []
         num_prompt_rows: list[int] = []
-        for s in sched.scheduled:
+        for s in scheduled:
             seq = s.seq
             start, n = seq.num_computed_tokens, s.num_new_tokens
             reaches_end = start + n == seq.num_tokens
@@ -346,39 +379,99 @@ class LLMEngine:
             )
             if drafts:
                 spec.shape_item(seq, items[-1], n)  # candidate trees: RoPE depths + ancestor mask
-        results = self._execute(items)
+        results = self._execute_contained(scheduled, items)
 
         touched: dict[str, list[Sequence]] = {}  # requests with news this step, in schedule order
         sample_seqs, sample_logits, sample_res = [], [], []
-        for s, res, pr in zip(sched.scheduled, results, num_prompt_rows):
-            seq = s.seq
-            if pr:
-                self._record_prompt_logprobs(seq, seq.num_computed_tokens, res.logits[:pr])
-                res = ForwardResult(res.logits[pr:], res.hidden[pr:])
-            seq.num_computed_tokens += s.num_new_tokens
-            if seq.num_computed_tokens < seq.num_tokens:  # chunked prefill continues next step
-                self.block_manager.commit_full_blocks(seq)
-                continue
-            if seq.params.max_tokens == 0:  # prompt scoring: the prompt's log-probabilities were all it asked
-                seq.finish_reason = "length"
-                self._finish(seq)
-                touched[seq.group_id] = seq.group
-            elif seq.draft_token_ids:
-                new_tokens, accepted, drawn = spec.verify(seq, res)
-                seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
-                self._emit(seq, new_tokens, self._logprobs_of(seq, drawn, new_tokens), touched)
-                spec.observe(seq, res)  # drafters reading hidden states (Medusa) get the last emitted row's
-            else:
-                sample_seqs.append(seq)
+        for s, res, pr in zip(scheduled, results, num_prompt_rows):
+            if res is not None and self._alone(s.seq, lambda s=s, res=res, pr=pr: self._settle(s, res, pr, touched)):
+                sample_seqs.append(s.seq)
                 sample_logits.append(res.logits[-1])
                 sample_res.append(res)
         if sample_seqs:
-            tokens, logprobs = self.sample(sample_seqs, torch.stack(sample_logits))
-            for seq, tok, lp, res in zip(sample_seqs, tokens, logprobs, sample_res):
-                self._emit(seq, [tok], lp, touched)
-                if spec:
-                    spec.observe(seq, res)
-        return [self.make_output(group) for group in touched.values()]
+            self._sample_and_emit(sample_seqs, sample_logits, sample_res, touched)
+        # (a request that failed this step was aborted: the caller hears of it through take_failed)
+        return [self.make_output(g) for g in touched.values() if all(q.finish_reason != "abort" for q in g)]
+
+    def _alone(self, seq: Sequence, fn: Callable[[], Any]) -> Any:
+        """``fn()``, one sequence's share of the step; when it raises, that sequence's request fails alone (None).
+        None too when the request already failed (another of its sequences)."""
+        if seq.is_finished:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            self._fail_request(seq.group_id, e)
+            return None
+
+    def _propose(self, scheduled: list) -> None:
+        """The speculator's drafts; when the batch raises, each sequence is drafted alone and only the requests whose
+        own drafting raises fail (drafts are proposals: whatever they are, the output stays lossless)."""
+        spec = self.speculator
+        assert spec is not None
+        try:
+            spec.propose(scheduled)
+        except Exception:
+            for s in scheduled:
+                s.seq.draft_token_ids, s.seq.draft_probs = [], None
+            for s in scheduled:
+                self._alone(s.seq, lambda s=s: spec.propose([s]))
+
+    def _execute_contained(self, scheduled: list, items: list[ForwardItem]) -> list[ForwardResult | None]:
+        """The step's forward; when the batch raises, each sequence runs alone and those whose own forward raises
+        fail (None in their place). A tensor-parallel group cannot rerun part of a step: there the error stops it."""
+        try:
+            results: list[ForwardResult | None] = list(self._execute(items))
+        except Exception:
+            if self.executor is not None:
+                raise
+            results = [self._alone(s.seq, lambda it=it: self._execute([it])[0]) for s, it in zip(scheduled, items)]
+        self.failed_forwards = self.failed_forwards + 1 if all(r is None for r in results) else 0
+        return results
+
+    def _settle(self, s, res: ForwardResult, pr: int, touched: dict[str, list[Sequence]]) -> bool:
+        """One scheduled sequence after the forward: prompt log-probabilities, chunked prefill, verification of
+        its drafts. True when it still needs a token sampled from its last row."""
+        seq, spec = s.seq, self.speculator
+        if pr:
+            self._record_prompt_logprobs(seq, seq.num_computed_tokens, res.logits[:pr])
+            res = ForwardResult(res.logits[pr:], res.hidden[pr:])
+        seq.num_computed_tokens += s.num_new_tokens
+        if seq.num_computed_tokens < seq.num_tokens:  # chunked prefill continues next step
+            self.block_manager.commit_full_blocks(seq)
+            return False
+        if seq.params.max_tokens == 0:  # prompt scoring: the prompt's log-probabilities were all it asked
+            seq.finish_reason = "length"
+            self._finish(seq)
+            touched[seq.group_id] = seq.group
+            return False
+        if not seq.draft_token_ids:
+            return True
+        new_tokens, accepted, drawn = spec.verify(seq, res)
+        seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
+        self._emit(seq, new_tokens, self._logprobs_of(seq, drawn, new_tokens), touched)
+        spec.observe(seq, res)  # drafters reading hidden states (Medusa) get the last emitted row's
+        return False
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: list[torch.Tensor], results: list[ForwardResult],
+                         touched: dict[str, list[Sequence]]) -> None:
+        """Sample one token per sequence (one batch; each alone when the batch raises, failing the requests whose
+        own sampling raises) and append it."""
+        try:
+            drawn = list(zip(*self.sample(seqs, torch.stack(logits))))
+        except Exception:
+            drawn = [self._alone(q, lambda q=q, row=row: [x[0] for x in self.sample([q], row.unsqueeze(0))])
+                     for q, row in zip(seqs, logits)]
+        for seq, one, res in zip(seqs, drawn, results):
+            if one is not None:
+                self._alone(seq, lambda seq=seq, one=one, res=res: self._append_sampled(seq, one, res, touched))
+
+    def _append_sampled(self, seq: Sequence, drawn: tuple, res: ForwardResult,
+                        touched: dict[str, list[Sequence]]) -> None:
+        tok, logprobs = drawn
+        self._emit(seq, [tok], logprobs, touched)
+        if self.speculator:
+            self.speculator.observe(seq, res)
 
     def _execute(self, items: list[ForwardItem]):
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
@@ -477,7 +570,10 @@ class LLMEngine:
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[j][tok].logprob
             if seq.grammar is not None and not seq.grammar.accept(tok):
                 raise RuntimeError(f"token {tok} broke request {seq.group_id!r}'s grammar although it was masked")
-            if m.num_output_tokens < p.min_tokens:
+            # a grammar that has ended allows no further token: the output is complete, min_tokens or not (the
+            # sampler lets the grammar's stop token through when min_tokens masks everything else)
+            ended = seq.grammar is not None and seq.grammar.is_terminated()
+            if m.num_output_tokens < p.min_tokens and not ended:
                 # no stop condition before min_tokens (stop tokens are masked until then); the text moves on, so
                 # a stop string in it is not found later by the first check of an accepted run past min_tokens
                 if p.stop_list:
@@ -487,7 +583,7 @@ class LLMEngine:
                 seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok
             elif p.stop_list and self._check_stop_strings(seq):
                 pass
-            elif seq.grammar is not None and seq.grammar.is_terminated():
+            elif ended:
                 seq.finish_reason = "stop"  # the structured output is complete
             if not seq.finish_reason and (m.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 seq.finish_reason = "length"

@@ -121,6 +121,7 @@ def serve(engine: WorkerEngine, conn: Connection, rank: int) -> None:
             apply(engine, cmd)
         if msg[0] == "step":
             digest = step_digest(engine.step())
+            engine.take_failed()  # a request a step failed here failed on rank 0 too, which reports it
             steps += 1
 
 

@@ -86,15 +86,14 @@ def apply_processors(logits: torch.Tensor, rows: Seq[RowContext]) -> torch.Tenso
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.long, device=dev)
             logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=dev))
-    masked = False
-    for i, r in enumerate(rows):
-        mt = r.params.min_tokens
-        if mt and len(r.token_ids) - r.num_prompt_tokens < mt and r.stop_ids:
-            logits[i, torch.tensor(sorted(r.stop_ids), dtype=torch.long, device=dev)] = NEG_INF
-            masked = True
+    held = [i for i, r in enumerate(rows)  # rows min_tokens still keeps from stopping
+            if r.params.min_tokens and len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens and r.stop_ids]
     grammar = [i for i, r in enumerate(rows) if r.allowed is not None]
+    # (the grammar rows as they were before min_tokens masked their stop tokens: the fallback below needs them)
+    before = logits[grammar].clone() if held and grammar else None
+    for i in held:
+        logits[i, torch.tensor(sorted(rows[i].stop_ids), dtype=torch.long, device=dev)] = NEG_INF
     if grammar:
-        before = logits[grammar].clone() if masked else None
         for i in grammar:
             logits[i].masked_fill_(~rows[i].allowed.to(dev), NEG_INF)
         if before is not None:

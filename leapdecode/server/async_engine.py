@@ -16,7 +16,11 @@ Invariants
   waiting in the scheduler, or prefilling); :meth:`AsyncEngine.add_request` refuses new requests with
   :class:`QueueFullError` once it reaches ``max_queue``. Only the event loop touches it, so it needs no lock.
 * No input can kill the engine thread: engine exceptions are caught, reported to the affected requests,
-  and the loop carries on.
+  and the loop carries on. An error while processing one request fails that request alone (the engine contains
+  it, ``LLMEngine.take_failed``); only a step that raises as a whole aborts every request it held.
+* :meth:`AsyncEngine.unhealthy` says why the engine cannot serve (``/health`` answers 503 with it): the thread is
+  gone, a tensor-parallel worker died (every later step would fail), or steps keep failing as a whole
+  (``FAILING_STEPS`` in a row, or that many forwards in a row that failed for every request in them).
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from leapdecode.engine.executor import WorkerDiedError
 from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 
 logger = logging.getLogger("leapdecode.server")
+# steps in a row that fail as a whole (or whose forward fails for every request) before /health says 503
+FAILING_STEPS = 3
 
 
 class QueueFullError(Exception):
@@ -220,11 +227,27 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._dead: str | None = None  # why the engine can never serve again (a tensor-parallel worker died)
+        self._failing_steps = 0  # consecutive steps that raised as a whole
+        self._last_failure = ""  # the kind of error the last of them raised
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot serve now (None: it can). Read from the event loop; the engine thread writes."""
+        if not self.is_running:
+            return "the engine is not running"
+        if self._dead is not None:
+            return self._dead
+        forwards = self.engine.failed_forwards
+        if self._failing_steps >= FAILING_STEPS or forwards >= FAILING_STEPS:
+            n = max(self._failing_steps, forwards)
+            what = "engine step" if self._failing_steps >= FAILING_STEPS else "model forward"
+            return f"the {what} failed {n} times in a row ({self._last_failure}); the server log has the details"
+        return None
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the results."""
@@ -267,6 +290,8 @@ class AsyncEngine:
         ``ValueError``/``TypeError`` for a request it refuses (e.g. prompt longer than the context)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         if self.num_queued >= self.max_queue:
             raise QueueFullError(
                 f"{self.num_queued} requests are already waiting (max_queue={self.max_queue})"
@@ -407,15 +432,30 @@ class AsyncEngine:
             elif cmd[0] == "abort":
                 eng.abort_request(cmd[1])
         if eng.has_unfinished_requests():
-            try:
-                results = eng.step()
-            except Exception as e:
-                logger.exception("engine step failed; aborting %d running request(s)", len(eng.requests))
-                for rid in list(eng.requests):
-                    eng.abort_request(rid)
-                    why = f"the engine step failed ({type(e).__name__}); the server log has the details"
-                    out.append((rid, EngineStepError(why)))
-            else:
-                out.extend((r.request_id, StreamOutput.from_output(r)) for r in results)
+            self._step(eng, out)
         self._publish()
         self._send(out)
+
+    def _step(self, eng: LLMEngine, out: list[tuple[str, Any]]) -> None:
+        """One engine step on the engine thread: results, the requests it failed, and the health it shows."""
+        try:
+            results = eng.step()
+        except Exception as e:  # the step as a whole: the engine's state is unknown, so every request is aborted
+            logger.exception("engine step failed; aborting %d request(s)", len(eng.requests))
+            self._failing_steps += 1
+            self._last_failure = type(e).__name__
+            if isinstance(e, WorkerDiedError):
+                self._dead = f"a tensor-parallel worker died ({e}); restart the server"
+            for rid in list(eng.requests):
+                eng.abort_request(rid)
+                why = f"the engine step failed ({type(e).__name__}); the server log has the details"
+                out.append((rid, EngineStepError(why)))
+        else:
+            self._failing_steps = 0
+            out.extend((r.request_id, StreamOutput.from_output(r)) for r in results)
+        for rid, err in eng.take_failed().items():  # contained: only these requests failed
+            cause = err.__cause__ or err
+            logger.error("request %s failed in an engine step; the others go on", rid, exc_info=cause)
+            self._last_failure = type(cause).__name__
+            why = f"the engine step failed for this request ({type(cause).__name__}); the server log has the details"
+            out.append((rid, EngineStepError(why)))

@@ -17,8 +17,10 @@ from leapdecode.server.serving import Serving
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @route(app, "GET", "/health")
     async def health() -> Response:
-        if not serving.aengine.is_running:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+        # 503 with the reason while the engine cannot serve (so an orchestrator restarts it), 200 otherwise
+        reason = serving.aengine.unhealthy()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @route(app, "GET", "/metrics", text_media_type="text/plain")
