@@ -52,10 +52,19 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise bad("json", f"must be a JSON schema (a dict or JSON text): {e}") from None
+            except RecursionError:  # (hostile text: "[" nested 50,000 deep)
+                raise ValueError("StructuredOutputsParams.json is nested too deeply to parse") from None
             if not isinstance(schema, (dict, bool)):
                 raise bad("json", "must be a JSON schema object")
         elif self.json is not None and not isinstance(self.json, dict):
             raise bad("json", "must be a JSON schema (a dict or JSON text)")
+        elif self.json is not None:
+            try:  # key() writes it as JSON text: what cannot be written is refused here, not in a step
+                json.dumps(self.json)
+            except RecursionError:
+                raise ValueError("StructuredOutputsParams.json is nested too deeply") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"StructuredOutputsParams.json must be JSON data: {e}") from None
         for flag in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")

@@ -4,6 +4,7 @@ valid values served, body limits, engine failures confined to their requests, di
 # ruff: noqa: F811  (pytest fixtures imported from tests/server_helpers.py are used as parameters)
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -14,12 +15,18 @@ import openai
 import pytest
 
 from leapdecode import LLM
+from leapdecode.engine.executor import WorkerDiedError
 from leapdecode.server.api_server import build_app
+from leapdecode.server.async_engine import FAILING_STEPS
 from leapdecode.server.defaults import DEFAULT_MAX_REQUEST_BYTES
+from tests.poison import Exploding
 from tests.server_helpers import (  # noqa: F401 (fixtures)
     CHAT,
+    LOAD_TOPICS,
     MAX_TOKENS,
     PROMPT,
+    async_client,
+    live_server,
     llm,
     model_name,
     one_torch_thread,
@@ -31,6 +38,11 @@ from tests.server_helpers import (  # noqa: F401 (fixtures)
 )
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+# JSON text nested past any parser's recursion limit, inside a string field (the body itself parses)
+DEEP = "[" * 50_000 + "]" * 50_000
+DEEP_CALL = [CHAT[1], {"role": "assistant", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
 BAD_REQUESTS = [
     # (path, body: str or bytes sent as is / anything else as JSON, status, param)
     ("/v1/chat/completions", "{not json", 400, None),
@@ -120,6 +132,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    # nesting no parser takes: a 400 wherever the JSON text sits (it was a RecursionError and a 500)
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"json": DEEP}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": DEEP}}, 400, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": DEEP_CALL, "max_tokens": 2}, 400, "messages"),
+    ("/tokenize", {"messages": DEEP_CALL}, 400, "messages"),
+    # a grammar whose language is empty: no token could ever be sampled (the step used to fail on it)
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "root ::= root"}}, 400, None),
 ]
 
 
@@ -275,6 +294,100 @@ def test_engine_failure_fails_only_its_requests(
     )
     assert r.status_code == 200
     wait_for_metric(server, "leapdecode_kv_blocks_in_use", 0)
+
+
+def test_a_poisoned_request_fails_alone_beside_streams_in_flight(
+    server: str, llm: LLM, refs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one request whose grammar raises inside an engine step (as a grammar refusing a token did): it alone gets
+    # the error; the streams in flight with it finish token-identical to running alone, /health stays 200
+    pytest.importorskip("xgrammar")
+    eng = llm.engine
+    backend = eng.structured_backend()
+    real, in_flight = backend.matcher, []
+    poison = {"regex": "[a-z ]+"}
+
+    def matcher(params: Any) -> Any:
+        m = real(params)
+        return Exploding(m, "accept", 6, lambda: in_flight.append(len(eng.requests))) if params.regex else m
+
+    monkeypatch.setattr(backend, "matcher", matcher)
+
+    async def main() -> tuple[list[str], httpx.Response, int]:
+        client = async_client(server)
+
+        async def stream(topic: str) -> str:
+            chunks = await client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": topic}], temperature=0,
+                max_tokens=MAX_TOKENS, stream=True,
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        async def poisoned() -> httpx.Response:
+            await asyncio.sleep(0.05)  # the streams are running
+            async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+                r = await http.post(server + "/v1/chat/completions", json={
+                    "messages": CHAT, "structured_outputs": poison, "min_tokens": 10, "max_tokens": 20,
+                    "temperature": 0})
+                health = (await http.get(server + "/health")).status_code
+                return r, health
+
+        *texts, (r, health) = await asyncio.gather(*(stream(t) for t in LOAD_TOPICS), poisoned())
+        return texts, r, health
+
+    texts, r, health = asyncio.run(main())
+    assert in_flight and in_flight[0] >= 2, in_flight  # the others were in the engine when it failed
+    assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"], r.text
+    assert texts == [refs["load"][t] for t in LOAD_TOPICS]
+    assert health == 200 and httpx.get(server + "/health", trust_env=False).json() == {"status": "ok"}
+    wait_for_metric(server, "leapdecode_kv_blocks_in_use", 0)
+
+
+def test_grammar_end_below_min_tokens_is_served(server: str) -> None:
+    # the body: the grammar's end below min_tokens used to fail the step of every request in it
+    pytest.importorskip("xgrammar")
+    body = {"messages": [{"role": "user", "content": "Say a"}], "structured_outputs": {"choice": ["a"]},
+            "min_tokens": 5, "max_tokens": 8}
+    r = httpx.post(server + "/v1/chat/completions", json=body, trust_env=False, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("a", "stop")
+
+
+def test_health_answers_503_with_the_reason(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=32)  # its own server: the last case kills it for good
+    eng = llm.engine
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    with live_server(build_app(llm)) as base, httpx.Client(base_url=base, trust_env=False, timeout=60) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+
+        def fail_with(target: Any, name: str, exc: Exception) -> None:
+            def broken(*args: Any) -> Any:
+                raise exc
+
+            monkeypatch.setattr(target, name, broken)
+
+        # steps failing as a whole, and forwards failing for every request in them: 503 after FAILING_STEPS in a row
+        for target, name, what in ((eng, "step", "engine step"), (eng.runner, "execute", "model forward")):
+            fail_with(target, name, RuntimeError("simulated"))
+            for i in range(FAILING_STEPS):
+                assert http.get("/health").status_code == 200, (what, i)
+                assert http.post("/v1/completions", json=body).status_code == 500
+            r = http.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+            assert f"{what} failed {FAILING_STEPS} times in a row (RuntimeError)" in r.json()["reason"], r.text
+            monkeypatch.undo()  # it recovers: the first good step makes it healthy again
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.get("/health").json() == {"status": "ok"}
+        # a dead tensor-parallel worker: every later step would fail, so it is unhealthy at once, and stays so
+        fail_with(eng, "step", WorkerDiedError("tensor-parallel worker rank 1 (pid 7) exited with signal 9"))
+        assert http.post("/v1/completions", json=body).status_code == 500
+        monkeypatch.undo()
+        r = http.get("/health")
+        assert r.status_code == 503 and "worker rank 1 (pid 7) exited" in r.json()["reason"], r.text
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"], r.text
+        assert http.get("/health").status_code == 503
 
 
 def test_nonstreaming_client_disconnect_aborts(server: str) -> None:

@@ -169,6 +169,49 @@ junk = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),
     max_leaves=12,
 )
+# the processors and constraints, near-valid: small schemas, regexes and grammars that compile, and ones that do not
+SCHEMAS = [
+    {"type": "object"},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    {"type": "string", "maxLength": 4},
+    {"enum": [1, "a", None]},
+    {"type": "nonsense"},
+    {"$ref": "#/nowhere"},
+    {"type": "integer", "minimum": 5, "maximum": 1},
+]
+schema_texts = st.one_of(
+    st.sampled_from(SCHEMAS).map(json.dumps),
+    st.sampled_from(["", "not json", "[1, 2]", "null", '{"type": "integer"}', "[" * 5000, "[" * 50_000]),
+    texts,
+)
+REGEXES = ["[a-z]+", "[0-9]{1,3}", "(yes|no)", "a*", ".*", "[", "(", "\\", "x{2,3}"]
+GRAMMARS = ['root ::= "yes" | "no"', "root ::= [a-z]+", "root ::= ", "root ::= root", "junk"]
+CHOICES = st.lists(mostly(st.sampled_from(["a", "yes", "no", "a b"]), texts), max_size=4)
+structured_outputs = mostly(
+    st.one_of(
+        st.fixed_dictionaries({"choice": CHOICES}),
+        st.fixed_dictionaries({"regex": st.sampled_from(REGEXES)}),
+        st.fixed_dictionaries({"grammar": st.sampled_from(GRAMMARS)}),
+        st.fixed_dictionaries(
+            {"json": st.one_of(st.sampled_from(SCHEMAS), schema_texts)},
+            optional={"disable_any_whitespace": st.booleans()},
+        ),
+    ),
+    st.one_of(st.none(), junk, st.fixed_dictionaries({"choice": CHOICES, "regex": st.sampled_from(REGEXES)})),
+)
+response_formats = mostly(
+    st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.builds(lambda sc: {"type": "json_schema", "json_schema": {"name": "r", "schema": sc}},
+                  st.sampled_from(SCHEMAS)),
+    ),
+    st.one_of(st.none(), junk, st.just({"type": "json_schema"}), st.builds(lambda t: {"type": t}, texts)),
+)
+token_ids = mostly(st.integers(0, 49151).map(str), st.one_of(texts, st.sampled_from(INT_EDGES).map(str)))
+bias_values = mostly(st.floats(-100, 100), st.sampled_from([*FLOAT_EDGES, 100.0, -100.0, 101.0]))
+logit_biases = st.one_of(st.none(), st.dictionaries(token_ids, bias_values, max_size=4), st.just({"2": 100.0}))
+min_tokens = mostly(st.sampled_from([0, 1, 5, 20]), st.one_of(st.integers(-2, 80), st.sampled_from(INT_EDGES)))
 common = st.fixed_dictionaries(
     {},
     optional={
@@ -188,6 +231,39 @@ common = st.fixed_dictionaries(
         "speculative": st.booleans(),
         "n": mostly(st.sampled_from([None, 1]), st.just(2)),
         "x_junk": junk,
+        "min_tokens": min_tokens,
+        "logit_bias": logit_biases,
+        "structured_outputs": structured_outputs,
+        "response_format": response_formats,
+    },
+)
+PARAMETERS = [None, {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}, *SCHEMAS[2:5]]
+tools = st.lists(
+    st.builds(
+        lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+        mostly(st.sampled_from(["f", "get_x"]), texts),
+        st.sampled_from(PARAMETERS),
+    ),
+    max_size=3,
+)
+tool_choices = mostly(
+    st.sampled_from(["none", "required", {"type": "function", "function": {"name": "f"}}]),
+    st.one_of(st.just("auto"), st.builds(lambda n: {"type": "function", "function": {"name": n}}, texts), junk),
+)
+chat_extras = st.fixed_dictionaries(
+    {},
+    optional={
+        "tools": tools,
+        "tool_choice": tool_choices,
+        "logprobs": mostly(st.booleans(), st.none()),
+        "top_logprobs": mostly(st.integers(0, 5), st.one_of(st.integers(-1, 30), st.none())),
+    },
+)
+completion_extras = st.fixed_dictionaries(
+    {},
+    optional={
+        "logprobs": mostly(st.integers(0, 5), st.one_of(st.integers(-1, 30), st.none())),
+        "echo": st.booleans(),
     },
 )
 message = st.fixed_dictionaries(
@@ -198,12 +274,14 @@ message = st.fixed_dictionaries(
         ),
     }
 )
-chat_bodies = st.builds(lambda c, m: {**c, "messages": m}, common, st.lists(message, min_size=1, max_size=4))
+chat_bodies = st.builds(
+    lambda c, x, m: {**c, **x, "messages": m}, common, chat_extras, st.lists(message, min_size=1, max_size=4)
+)
 prompts = mostly(
     st.one_of(texts.filter(bool), st.lists(st.integers(0, 49151), min_size=1, max_size=8)),
     st.one_of(st.lists(ints, max_size=8), st.lists(texts, max_size=2)),
 )
-completion_bodies = st.builds(lambda c, p: {**c, "prompt": p}, common, prompts)
+completion_bodies = st.builds(lambda c, x, p: {**c, **x, "prompt": p}, common, completion_extras, prompts)
 
 
 def check_answer(response: httpx.Response, stream: bool) -> None:
@@ -218,7 +296,7 @@ def check_answer(response: httpx.Response, stream: bool) -> None:
         for e in events[:-1]:
             assert "error" not in json.loads(e), e
     else:
-        assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

@@ -66,6 +66,14 @@ def test_bad_constraints_are_clear_errors(plain):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="json"):
         StructuredOutputsParams(json="{not json")
+    deep: dict = {}
+    for _ in range(100_000):  # JSON nested past the parser's recursion limit, as text or as a dict
+        deep = {"items": deep}
+    for schema in ("[" * 50_000 + "]" * 50_000, deep):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            StructuredOutputsParams(json=schema)
+    with pytest.raises(ValueError, match="JSON data"):
+        StructuredOutputsParams(json={"type": {1, 2}})
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="does not compile"):

@@ -238,6 +238,19 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role!r} message needs content (a string or a non-empty list), got {got}")
         return self
 
+    @model_validator(mode="after")
+    def _arguments_parse(self) -> ChatMessage:
+        # the chat template gets a call's arguments parsed (text that is not JSON as it is): JSON nested too deeply
+        # to parse is refused here, a 400, rather than failing the template
+        for call in self.tool_calls or []:
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                pass
+            except RecursionError:
+                raise ValueError("a tool call's arguments are JSON nested too deeply to parse") from None
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -249,7 +262,7 @@ class ChatMessage(BaseModel):
 def _args(call: ToolCall) -> Any:
     try:
         return json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or refused by ChatMessage already): the text as it came
         return call.function.arguments
 
 

@@ -156,6 +156,8 @@ class Serving:
             return model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
+        except RecursionError:  # a validator walking hostile nesting
+            raise P.APIError("the request body is nested too deeply", code="invalid_json") from None
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in (self.name, MODEL_ALIAS):
@@ -215,11 +217,13 @@ class Serving:
         if spec is None:
             return
         try:
-            await asyncio.to_thread(lambda: self.engine.structured_backend().matcher(spec))
+            matcher = await asyncio.to_thread(lambda: self.engine.structured_backend().matcher(spec))
         except ImportError as e:
             raise P.APIError(str(e), code="structured_output_unavailable") from None
         except ValueError as e:
             raise P.APIError(str(e)) from None
+        if not bool(matcher.allowed_tokens().any()):  # e.g. "root ::= root": nothing could ever be sampled
+            raise P.APIError(f"structured_outputs.{spec.kind} admits no output at all")
 
     async def submit(
         self, tokens: list[int], params: SamplingParams, prompt: str | None, prompt_param: str

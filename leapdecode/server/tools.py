@@ -174,10 +174,10 @@ def parse_tool_calls(text: str, chosen: Tool | Literal["required"]) -> list[Tool
     """The calls in a constrained output, or None when it is not complete JSON (generation hit ``max_tokens``)."""
     try:
         value = json.loads(text)
-    except ValueError:
+        if isinstance(chosen, Tool):
+            pairs = [(chosen.function.name, value)]
+        else:
+            pairs = [(call["name"], call["parameters"]) for call in value]
+        return [tool_call(name, json.dumps(args)) for name, args in pairs]
+    except (ValueError, RecursionError):  # (a schema allowing any value lets the output nest past the parser)
         return None
-    if isinstance(chosen, Tool):
-        pairs = [(chosen.function.name, value)]
-    else:
-        pairs = [(call["name"], call["parameters"]) for call in value]
-    return [tool_call(name, json.dumps(args)) for name, args in pairs]

@@ -148,7 +148,10 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         parser = output_parser(chosen, tokens)
         extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
         if tool is not None:
-            extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
+            try:
+                extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
+            except ValueError as e:  # e.g. parameters nested too deeply
+                raise P.APIError(str(e), param="tools") from None
         params = serving.sampling_params(req, len(tokens), "messages", **extra)
         hold = max((len(stop) for stop in params.stop_list), default=1) - 1
         outputs: dict[int, ChatOutputStream] = {}
