@@ -11,7 +11,7 @@ from leapdecode.structured.base import GrammarMatcher
 
 
 class Exploding(GrammarMatcher):
-    """A real matcher that raises on the ``at``-th call of ``method`` (``allowed_tokens`` or ``accept``);
+    """A real matcher that raises from the ``at``-th call of ``method`` on (``allowed_tokens`` or ``accept``);
     ``on_raise`` runs just before (to see what else the engine holds at that moment)."""
 
     def __init__(self, inner: GrammarMatcher, method: str, at: int, on_raise: Callable[[], None] = lambda: None):
@@ -20,7 +20,7 @@ class Exploding(GrammarMatcher):
     def _tick(self, method: str) -> None:
         if method == self.method:
             self.calls += 1
-            if self.calls == self.at:
+            if self.calls >= self.at:
                 self.on_raise()
                 raise RuntimeError(f"simulated failure in {method}")
 
