@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from leapdecode.speculative.options import (
-    METHODS,
-    OPTION_GROUPS,
-    AutoOptions,
-    BlockwiseOptions,
-    DrafterOptions,
-    EagleTreeOptions,
-    HybridOptions,
-    MedusaOptions,
-    MethodName,
-    split_options,
-)
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SPEC_METHODS = METHODS
 LINEAR_KERNELS = ("auto", "packed", "packed-float32", "packed-int8act", "torch")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
@@ -31,15 +17,24 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+T = TypeVar("T")
+# the keys of a speculative_config dict that are fields of SpeculativeConfig itself; a method declares which of them it
+# reads (speculative/method.py), every other key belongs to one of its typed option groups
+SHARED_KEYS = ("model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "gamma_init", "gamma_max",
+               "gamma_min", "raise_after", "raise_above", "lower_after", "lower_below", "use_cost_model",
+               "draft_linear_kernel")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Mirrors vLLM's ``speculative_config`` dict. ``num_speculative_tokens=None`` enables the dynamic-γ rule.
+    """A parsed ``speculative_config`` (vLLM's dict): the method's name, the settings several methods share, and the
+    method's own typed option groups. ``num_speculative_tokens=None`` enables the dynamic-γ rule.
 
-    The fields up to ``draft_linear_kernel`` apply to every method; the method's own knobs are typed groups
-    (leapdecode/speculative/options.py) that ``from_dict`` fills from the flat dict, refusing a key the method
-    does not read."""
+    Built by ``leapdecode.speculative.registry.parse_config`` from the flat dict, which refuses every key the
+    method does not read (its descriptor says which); this module knows no method, so the engine's config depends
+    on nothing of the speculative package."""
 
-    method: MethodName
+    method: str
     model: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
@@ -55,50 +50,24 @@ class SpeculativeConfig:
     lower_below: float = 0.5
     # cost model: skip speculation when expected tokens per unit of step time do not beat plain decoding
     use_cost_model: bool = True
-    # chunked verification of long chains (speculative/speculator.py): None = the step-cost model decides whether
-    # to verify only the first drafts of a long chain and keep the rest for the next step; 0 = never (the default:
-    # measured, it did not pay on the CPU it was measured on, docs/speculative.md); N = verify at most N drafts
-    # per pass
-    verify_chunk: int | None = 0
-    # under load, size the drafts of a step together (speculative/policy.group_by_acceptance): sequences with the
-    # best acceptance draft first, the others see the step their drafts already made longer; False (the default:
-    # measured, it never engaged at batch 8-24 there, docs/speculative.md) = each sequence decides alone, as if
-    # every other one verified a single token
-    group_by_acceptance: bool = False
     # draft_model: the drafter's linear_kernel (EngineConfig.linear_kernel), e.g. "packed-int8act" to draft with
     # int8 activations while the target verifies in float32 (the target checks every token, so the drafter's
     # precision moves acceptance, never the output); None = the target's. With "model": "target" the drafter
     # is the target model itself.
     draft_linear_kernel: str | None = None
-    drafter: DrafterOptions = field(default_factory=DrafterOptions)
-    eagle_tree: EagleTreeOptions = field(default_factory=EagleTreeOptions)
-    medusa: MedusaOptions = field(default_factory=MedusaOptions)
-    blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
-    hybrid: HybridOptions = field(default_factory=HybridOptions)
-    auto: AutoOptions = field(default_factory=AutoOptions)
+    # the method's option groups (frozen dataclasses, one instance per class it reads; speculative/options.py and
+    # the method modules define them); a group not given reads as its defaults (``options``)
+    groups: tuple[Any, ...] = ()
 
-    @classmethod
-    def common_keys(cls) -> tuple[str, ...]:
-        """The keys every method takes (the rest belong to one method's option groups)."""
-        return tuple(f.name for f in fields(cls) if f.name not in OPTION_GROUPS)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        if d is None:
-            return None
-        if isinstance(d, SpeculativeConfig):
-            return d
-        if not isinstance(d, dict) or "method" not in d:
-            raise ValueError('speculative_config must be a dict with a "method" key, e.g. {"method": "ngram"}')
-        method = d["method"]
-        _check(method in METHODS, f"unknown speculative method {method!r}; choose from {METHODS}")
-        common = cls.common_keys()
-        main = {k: v for k, v in d.items() if k in common}
-        groups = split_options(method, {k: v for k, v in d.items() if k not in common}, common)
-        return cls(**main, **{g: OPTION_GROUPS[g](**kw) for g, kw in groups.items()})
+    def options(self, kind: type[T]) -> T:
+        """The config's instance of the option group ``kind`` (its defaults when the dict gave none of its keys)."""
+        for g in self.groups:
+            if isinstance(g, kind):
+                return g
+        return kind()
 
     def __post_init__(self) -> None:
-        _check(self.method in METHODS, f"unknown speculative method {self.method!r}; choose from {METHODS}")
+        _check(isinstance(self.method, str) and bool(self.method), f"method must be a name, got {self.method!r}")
         if self.num_speculative_tokens is not None:
             _check(
                 isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
@@ -113,18 +82,13 @@ class SpeculativeConfig:
             1 <= self.gamma_min <= self.gamma_init <= self.gamma_max, "need 1 <= gamma_min <= gamma_init <= gamma_max"
         )
         _check(self.raise_after >= 1 and self.lower_after >= 1, "raise_after and lower_after must be >= 1")
-        _check(isinstance(self.group_by_acceptance, bool),
-               f"group_by_acceptance must be true or false, got {self.group_by_acceptance!r}")
-        _check(self.verify_chunk is None or (isinstance(self.verify_chunk, int) and not isinstance(
-            self.verify_chunk, bool) and self.verify_chunk >= 0),
-            f"verify_chunk must be null (the cost model decides), 0 (never) or N >= 1, got {self.verify_chunk!r}")
         _check(0 <= self.lower_below <= self.raise_above <= 1, "need 0 <= lower_below <= raise_above <= 1")
+        _check(isinstance(self.use_cost_model, bool),
+               f"use_cost_model must be true or false, got {self.use_cost_model!r}")
         _check(
             self.draft_linear_kernel is None or self.draft_linear_kernel in LINEAR_KERNELS,
             f"draft_linear_kernel must be None or one of {LINEAR_KERNELS}, got {self.draft_linear_kernel!r}",
         )
-        for name, kind in OPTION_GROUPS.items():
-            _check(isinstance(getattr(self, name), kind), f"{name} must be a {kind.__name__}")
 
     @property
     def max_draft_tokens(self) -> int:
@@ -237,8 +201,8 @@ class EngineConfig:
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
         )
-        if isinstance(self.speculative_config, dict):
-            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        _check(self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig),
+               "speculative_config must be parsed first (leapdecode.speculative.registry.parse_config; LLM does it)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -7,12 +7,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from leapdecode.config import EngineConfig, SpeculativeConfig
+from leapdecode.config import EngineConfig
 from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.models.hub import model_ref
 from leapdecode.models.loader import chat_token_ids
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.speculative.registry import parse_config
+from leapdecode.speculative.speculator import Speculator
 
 Prompt = str | dict[str, Any]
 
@@ -51,9 +53,9 @@ class LLM:
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_blocks=kv_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            speculative_config=SpeculativeConfig.from_dict(speculative_config), **kwargs,
+            speculative_config=parse_config(speculative_config), **kwargs,
         )
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, drafting=Speculator)
 
     @classmethod
     def from_engine_of(cls, other: LLM, speculative_config: dict[str, Any] | None = None, **overrides: Any) -> LLM:
@@ -64,11 +66,11 @@ class LLM:
         if other.config.tensor_parallel_size > 1:
             raise ValueError("from_engine_of shares one process's weights; with tensor_parallel_size > 1 the shards "
                              "live in the workers: build another LLM instead")
-        cfg = replace(other.config, speculative_config=SpeculativeConfig.from_dict(speculative_config), **overrides)
+        cfg = replace(other.config, speculative_config=parse_config(speculative_config), **overrides)
         llm = cls.__new__(cls)
         llm.config = cfg
         e = other.engine
-        llm.engine = LLMEngine(cfg, model=e.model, tokenizer=e.tokenizer, model_path=e.model_path)
+        llm.engine = LLMEngine(cfg, model=e.model, tokenizer=e.tokenizer, model_path=e.model_path, drafting=Speculator)
         return llm
 
     def get_tokenizer(self):

@@ -177,6 +177,6 @@ def test_shipped_eagle_draft_is_lossless_and_accepted_on_the_bundled_model(bundl
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
     assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
     assert spec.engine.speculator.proposer.num_fallback_tokens == 0
-    from leapdecode.speculative.policy import auto_methods
+    from leapdecode.speculative.registry import auto_methods
 
     assert "eagle" in auto_methods(spec.engine.config.speculative_config, spec.engine.model)

@@ -247,7 +247,7 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     for its own target, a hybrid takes it as its trunk, and a folder that is not a feature draft is a clear
     error."""
     from leapdecode.speculative import artifacts
-    from leapdecode.speculative.policy import auto_methods
+    from leapdecode.speculative.registry import auto_methods
 
     want = _tokens(plain1, PROMPTS, GREEDY)
     spec = LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(near_exact["rough"]),
@@ -350,9 +350,9 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
             depths[seq.request_id] = max(depths_of(pr.parents), default=0) if pr.tokens else 0
         return props
 
-    def on_verified(seq, num_prefix, num_accepted):
-        accepted.append((depths[seq.request_id], num_accepted))
-        orig_verified(seq, num_prefix, num_accepted)
+    def on_verified(seq, result):
+        accepted.append((depths[seq.request_id], result.num_accepted))
+        orig_verified(seq, result)
 
     prop.propose, prop.on_verified = propose, on_verified
     assert _tokens(spec, PROMPTS, GREEDY) == want
@@ -374,11 +374,13 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
 
 
 def test_dynamic_tree_config_errors_and_hybrid_trunk(plain1, near_exact, tmp_path):
-    """Bad tree keys are errors, tree keys on a drafter without trees too; a hybrid's eagle trunk stays a chain
-    (the hybrid builds its own tree)."""
+    """Bad tree keys are errors, tree keys on a drafter without trees too, and on a hybrid (its eagle trunk stays a
+    chain: the hybrid builds its own tree)."""
     base = {"model": str(near_exact["rough"])}
-    hyb = LLM.from_engine_of(plain1, speculative_config={"method": "hybrid", "trunk": "eagle", **base,
-                                                         "heads": str(_heads(tmp_path)), "tree_nodes": 4})
+    hybrid = {"method": "hybrid", "trunk": "eagle", **base, "heads": str(_heads(tmp_path))}
+    with pytest.raises(ValueError, match="unknown speculative option 'tree_nodes' for method 'hybrid'"):
+        LLM.from_engine_of(plain1, speculative_config={**hybrid, "tree_nodes": 4})
+    hyb = LLM.from_engine_of(plain1, speculative_config=hybrid)
     assert isinstance(hyb.engine.speculator.proposer.chain, EagleProposer)
     assert hyb.engine.speculator.proposer.chain.tree_nodes == 0
     with pytest.raises(ValueError, match="tree_beam must be an integer >= 1"):

@@ -99,11 +99,11 @@ def test_hybrid_is_token_identical_to_plain_and_keeps_only_its_accepted_trunk(pl
     seen: list[tuple[int, list[int]]] = []
     real = prop.chain.on_verified
 
-    def spy(seq, num_prefix, num_accepted):  # what the trunk drafter is told vs the whole accepted path
-        seen.append((num_accepted, list(seq.draft_state.accepted_path)))
-        real(seq, num_prefix, num_accepted)
+    def spy(seq, result):  # what the trunk drafter is told vs the whole accepted path
+        seen.append((result.num_accepted, list(spec.engine.speculator.draft_state(seq).accepted_path)))
+        real(seq, result)
         sh = prop.chain.shadows.get(seq.request_id)
-        assert sh is None or sh.num_computed_tokens <= num_prefix + num_accepted
+        assert sh is None or sh.num_computed_tokens <= result.num_prefix_tokens + result.num_accepted
 
     prop.chain.on_verified = spy
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=(i != 1),

@@ -28,7 +28,8 @@ def test_domain_switch_from_copying_to_writing_changes_the_drafter_losslessly(bu
 
     def record(scheduled):
         propose(scheduled)
-        steps.extend((s.seq.num_output_tokens, s.seq.draft_state.method) for s in scheduled if s.seq.draft_token_ids)
+        steps.extend((s.seq.num_output_tokens, sp.draft_state(s.seq).method) for s in scheduled
+                     if s.seq.draft_token_ids)
 
     sp.propose = record
     out = spec.chat([SWITCH_CHAT], params, use_tqdm=False)[0]

@@ -9,8 +9,11 @@ from scipy.stats import chi2_contingency, chisquare
 from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
 from leapdecode.speculative.acceptance import verify_greedy, verify_sampling
+from leapdecode.speculative.methods.hybrid import HybridOptions
+from leapdecode.speculative.options import DrafterOptions
 from leapdecode.speculative.policy import DynamicGamma, StepCostModel, expected_tokens
 from leapdecode.speculative.proposer import Proposal, Proposer
+from leapdecode.speculative.registry import parse_config
 from leapdecode.speculative.speculator import Speculator
 
 from .conftest import SPEC_PROMPTS as PROMPTS
@@ -242,16 +245,34 @@ def test_unknown_speculative_option_is_an_error_naming_the_valid_ones(tiny_model
         ({"method": "blockwise", "branches": 2}, "branches", "min_block"),
     ]:
         with pytest.raises(ValueError, match=f"unknown speculative option '{key}'.*{valid}"):
-            SpeculativeConfig.from_dict(cfg)
+            parse_config(cfg)
     with pytest.raises(ValueError, match="unknown speculative option 'tree_node'"):
         LLM(model=str(tiny_model_dir), speculative_config={"method": "eagle", "tree_node": 4})
-    # one spelling per concept: the old ones still read, with a warning, into the same field
-    with pytest.warns(DeprecationWarning, match='spell it "top_k"'):
-        assert SpeculativeConfig.from_dict({"method": "medusa", "topk": 4}).medusa.top_k == 4
-    with pytest.warns(DeprecationWarning, match='spell it "tree_top_k"'):
-        assert SpeculativeConfig.from_dict({"method": "eagle", "tree_topk": 3}).eagle_tree.tree_top_k == 3
-    cfg = SpeculativeConfig.from_dict({"method": "hybrid", "branches": 2, "top_k": 5, "min_draft_prob": 0.2})
-    assert (cfg.hybrid.branches, cfg.medusa.top_k, cfg.drafter.min_draft_prob) == (2, 5, 0.2)
+    # one spelling per concept: the old spellings are refused like any other unknown key
+    for old in ({"method": "medusa", "topk": 4}, {"method": "eagle", "tree_topk": 3}):
+        with pytest.raises(ValueError, match="unknown speculative option"):
+            parse_config(old)
+    cfg = parse_config({"method": "hybrid", "branches": 2, "top_k": 5, "min_draft_prob": 0.2})
+    assert cfg is not None
+    hybrid = cfg.options(HybridOptions)
+    assert (hybrid.branches, hybrid.top_k, cfg.options(DrafterOptions).min_draft_prob) == (2, 5, 0.2)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"method": "medusa", "num_speculative_tokens": 4},  # a tree sized by the cost model, not a chain's length
+    {"method": "medusa", "prompt_lookup_max": 3},
+    {"method": "ngram", "draft_linear_kernel": "packed-int8act"},  # prompt lookup runs no model
+    {"method": "ngram", "verify_chunk": 2},  # chunked verification is gone
+    {"method": "blockwise", "use_cost_model": False},  # the block size is the method: never the cost model's
+    {"method": "self_spec", "draft_linear_kernel": "packed-int8act"},
+    {"method": "hybrid", "tree_nodes": 4},  # the hybrid builds its own tree; its eagle trunk drafts a chain
+    {"method": "auto", "use_cost_model": False},  # auto always sizes by the cost model
+])
+def test_every_key_a_method_does_not_read_is_refused_shared_keys_too(cfg):
+    """The README's promise: a key the chosen method does not read is an error, a shared one included."""
+    key = next(k for k in cfg if k != "method")
+    with pytest.raises(ValueError, match=f"unknown speculative option '{key}' for method '{cfg['method']}'"):
+        parse_config(cfg)
 
 
 class _OracleChain(Proposer):

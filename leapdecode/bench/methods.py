@@ -1,22 +1,12 @@
-"""The speculative configurations ``leapdecode bench`` runs under each method label."""
+"""The speculative configurations ``leapdecode bench`` runs under each method label: plain decoding, then what the
+method descriptors offer (speculative/registry.py), so a new method is benchmarked without an edit here."""
 
 from __future__ import annotations
 
-METHOD_DEFAULTS: dict[str, dict | None] = {
-    "none": None,
-    "ngram": {"method": "ngram"},
-    "draft_model": {"method": "draft_model"},
-    "self_spec": {"method": "self_spec"},
-    "eagle": {"method": "eagle"},
-    "eagle_tree": {"method": "eagle", "tree_nodes": 4},  # the dynamic draft tree (speculative/methods/eagle.py)
-    "medusa": {"method": "medusa"},
-    "hybrid": {"method": "hybrid"},
-    "blockwise": {"method": "blockwise"},
-    "auto": {"method": "auto"},
-}
+from leapdecode.speculative.registry import bench_configs
+
+METHOD_DEFAULTS: dict[str, dict | None] = {"none": None, **bench_configs()}
 # lossy options the report's quality table measures beside the lossless methods (label -> configuration)
-LOSSY_DEFAULTS: dict[str, dict] = {
-    "blockwise_topk": {"method": "blockwise", "acceptance": "topk", "top_k": 2},
-}
+LOSSY_DEFAULTS: dict[str, dict] = bench_configs(lossy=True)
 
 __all__ = ["LOSSY_DEFAULTS", "METHOD_DEFAULTS"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -16,6 +17,7 @@ from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
+from leapdecode.engine.drafting import Drafting, DraftingFactory
 from leapdecode.engine.executor import Executor, start_tensor_parallel
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
@@ -36,7 +38,6 @@ from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, 
 from leapdecode.models.stops import template_end_ids, unique
 from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
-from leapdecode.speculative.speculator import Speculator
 from leapdecode.structured import StructuredOutputBackend, make_backend
 
 # the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
@@ -60,15 +61,18 @@ class RequestFailedError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, model_path=None,
+                 drafting: DraftingFactory | None = None) -> None:
         self.config = config
+        # speculative decoding's factory (``Speculator``), given by whoever builds the engine (engine/drafting.py)
+        self.drafting = drafting
         # tensor parallelism: rank 0 starts the other ranks here (engine/executor.py); each builds this same engine
         self.executor: Executor | None = None
         if config.tensor_parallel_size > 1:
             if model is not None:
                 raise ValueError("tensor_parallel_size > 1: every rank loads its own shard, so pass the model by "
                                  "path, not as a loaded module")
-            self.executor = start_tensor_parallel(config, type(self))
+            self.executor = start_tensor_parallel(config, functools.partial(type(self), drafting=drafting))
         # a one-rank engine in a process that is also rank 0 of a tensor-parallel group stays out of that group
         self.solo = config.tensor_parallel_size == 1 and parallel.group_size() > 1
         try:
@@ -149,10 +153,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
                       "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
-        self.speculator: Speculator | None = None
+        self.speculator: Drafting | None = None
         if config.speculative_config is not None:
             with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
-                self.speculator = Speculator(self, config.speculative_config)
+                self.speculator = self._drafting()(self, config.speculative_config)
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """The KV blocks the scheduler plans over: the configured count, or what the memory affords; the same on
@@ -309,7 +313,7 @@ class LLMEngine:
         target; only between requests. Every tensor-parallel rank switches with rank 0."""
         if self.has_unfinished_requests():
             raise ValueError("set_speculative_config needs an idle engine: finish or abort the running requests")
-        cfg = SpeculativeConfig.from_dict(cfg)
+        cfg = self._drafting().parse(cfg) if cfg is not None else None
         ex = self.executor
         if ex is None:
             with self.scope():
@@ -324,15 +328,20 @@ class LLMEngine:
 
     def _set_speculator(self, cfg: SpeculativeConfig | None) -> None:
         if self.speculator is not None:
-            for prop in self.speculator.proposers.values():
-                prop.detach()  # e.g. self_spec stops capturing the target's hidden states
+            self.speculator.close()  # e.g. self_spec stops capturing the target's hidden states
         self.config.speculative_config, self.speculator = cfg, None
         # cached prefixes would hold K/V the old drafters saw only partly (no captured hidden states for them), and
         # the new speculator's timing steps write scratch K/V: start from an empty prefix cache
         self.block_manager.reset_prefix_cache()
         if cfg is not None:
             with parallel.replicated():
-                self.speculator = Speculator(self, cfg)
+                self.speculator = self._drafting()(self, cfg)
+
+    def _drafting(self) -> DraftingFactory:
+        if self.drafting is None:
+            raise ValueError("this engine was built without speculative decoding: build it through LLM(...), or "
+                             "pass drafting=Speculator (leapdecode.speculative.speculator)")
+        return self.drafting
 
     def scope(self) -> contextlib.AbstractContextManager:
         """The parallel context this engine runs in: ``parallel.solo()`` for a one-rank engine beside a group."""
@@ -354,6 +363,9 @@ class LLMEngine:
             return []
         self.stats["num_steps"] += 1
         self.stats["num_preemptions"] += len(sched.preempted)
+        if spec:
+            for seq in sched.preempted:
+                spec.preempt(seq)
         for s in sched.scheduled:
             s.seq.draft_token_ids, s.seq.draft_probs = [], None
         if spec:

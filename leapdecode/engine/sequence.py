@@ -12,7 +12,6 @@ import torch
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
 from leapdecode.outputs import PositionLogprobs, RequestMetrics
 from leapdecode.sampling_params import SamplingParams
-from leapdecode.speculative.state import DraftState
 from leapdecode.structured.base import GrammarMatcher
 
 _arrival = itertools.count()
@@ -90,10 +89,9 @@ class Sequence:
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.grammar: GrammarMatcher | None = None  # structured output: set by the engine
-        # speculative-decoding state, owned by leapdecode.speculative
+        # this step's drafts (speculative decoding), set by the speculator and verified by the engine in the step
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
-        self.draft_state = DraftState()
 
     # ------------------------------------------------------------------------------------------------ views
     @property

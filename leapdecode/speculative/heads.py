@@ -152,10 +152,12 @@ def ranked_candidates(logits: torch.Tensor, heads: MedusaHeads, k: int) -> torch
 
 class HeadsProposer(Proposer):
     """A drafter that reads the target's last hidden state through trained heads and the target's own LM head
-    (Medusa trees, blockwise chains). Invariant: ``seq.draft_state.heads_hidden[self.name]`` holds ``(n, h)``, the
+    (Medusa trees, blockwise chains). Invariant: ``self.hidden[seq.request_id]`` holds ``(n, h)``, the
     hidden state that predicted the last emitted token of ``seq`` when it had ``n`` tokens; a proposal is made only from
     a state whose ``n`` is the sequence's current length (a preempted or rewound sequence must not draft from a
     stale one)."""
+
+    observes = True  # keeps the hidden state behind each sequence's last token
 
     def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, vocab_subset: torch.Tensor | None) -> None:
         dev, dt = lm_weight.device, lm_weight.dtype
@@ -164,6 +166,8 @@ class HeadsProposer(Proposer):
         # the heads' read-out: the target's own LM head, restricted to the vocabulary subset they were trained on
         self.lm_weight = lm_weight if vocab_subset is None else lm_weight.index_select(0, self.subset).contiguous()
         self.lm_packed: torch.Tensor | None = None  # the read-out through the few-row kernel (pack_readout)
+        # request id -> (its length, the hidden state that predicted its last token)
+        self.hidden: dict[str, tuple[int, torch.Tensor]] = {}
 
     def memory_bytes(self) -> int:
         """The heads' weights, and the read-out rows when they are a copy (a vocabulary subset, a packed kernel)."""
@@ -183,17 +187,17 @@ class HeadsProposer(Proposer):
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         if seq.params.speculative:
-            seq.draft_state.heads_hidden[self.name] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
+            self.hidden[seq.request_id] = (seq.num_tokens, hidden.detach().reshape(-1).clone())
 
     def release(self, seq: Sequence) -> None:
-        seq.draft_state.heads_hidden.pop(self.name, None)
+        self.hidden.pop(seq.request_id, None)
 
     def fresh_hidden(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Indices of the sequences that may draft this step (budget > 0 and a current hidden state) and their
         hidden states stacked [len(rows), d] (None when there are none)."""
         rows, hs = [], []
         for i, (seq, k) in enumerate(zip(seqs, budgets)):
-            st = seq.draft_state.heads_hidden.get(self.name)
+            st = self.hidden.get(seq.request_id)
             if k > 0 and st is not None and st[0] == seq.num_tokens:
                 rows.append(i)
                 hs.append(st[1])

@@ -1,4 +1,4 @@
-"""How many tokens to draft: the dynamic-γ rule, a measured step-cost model, and which drafters ``auto`` uses.
+"""How many tokens to draft: the dynamic-γ rule and a measured step-cost model.
 
 Dynamic γ: each sequence's draft length follows its own acceptance, one step up after a streak of well-accepted
 verifications, one down after a streak of poor ones (a fixed ``num_speculative_tokens`` turns the rule off).
@@ -20,9 +20,7 @@ import torch
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
-from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.parallel import rank0_value
-from leapdecode.speculative.artifacts import BLOCKWISE_DIR, shipped_adapter_for, shipped_dir, shipped_heads_for
 from leapdecode.speculative.state import GammaState
 
 
@@ -164,51 +162,6 @@ class StepCostModel:
         return best
 
 
-def group_by_acceptance(wants: list[tuple[float | None, int, Callable[[int], float]]], cost: StepCostModel,
-                        batch: int) -> list[int]:
-    """Draft lengths for one step's sequences sized together. ``wants[i]`` = (acceptance, the length the sequence
-    would draft alone, its draft cost by length); acceptance None marks a fixed size (a tree, a kept tail), taken
-    as asked. The chains then go best acceptance first, each sized by ``best_gamma`` against the step as the
-    sequences before it already made it (every sequence's own token plus the drafts granted so far), so a
-    low-acceptance sequence does not lengthen the verification of the whole batch: it drafts only what still pays
-    in the longer step, often nothing."""
-    out = [k if alpha is None else 0 for alpha, k, _ in wants]
-    rows = batch + sum(out)
-    chains = sorted((i for i, w in enumerate(wants) if w[0] is not None), key=lambda i: -(wants[i][0] or 0.0))
-    for i in chains:
-        alpha, k, draft = wants[i]
-        assert alpha is not None
-        out[i] = cost.best_gamma(alpha, k, rows, batch, draft) if k > 0 else 0
-        rows += out[i]
-    return out
-
-
-CHUNK_MIN_DRAFTS = 4  # chains shorter than this are always verified in one pass
-
-
-def chunk_size(cost: Callable[[int], float], alpha: float, gamma: int, batch_size: int,
-               draft_s: float = 0.0) -> int:
-    """How many of a ``gamma``-draft chain to verify in this step's pass (``gamma``: all of it). Verifying only the
-    first c saves the rows of the rest when a draft among the first c is rejected; when all c pass and the target's
-    next token equals draft c+1 (probability ``alpha`` ** (c+1)) the remaining ``gamma`` - c - 1 drafts are verified
-    next step without drafting again, at the price of one more pass. Chosen by the expected tokens per second over
-    the step and its follow-up, for one sequence in a batch of ``batch_size`` (``cost(n)``: seconds of a target
-    step of n tokens; ``draft_s``: seconds the chain took to draft, paid once either way)."""
-    if gamma < CHUNK_MIN_DRAFTS:
-        return gamma
-    others = batch_size - 1
-    best = gamma
-    best_rate = (others + expected_tokens(alpha, gamma)) / (cost(batch_size + gamma) + draft_s)
-    for c in range(1, gamma - 1):
-        go_on = alpha ** (c + 1)
-        rest = gamma - c - 1
-        tokens = others * (1 + go_on) + expected_tokens(alpha, c) + go_on * expected_tokens(alpha, rest)
-        t = cost(batch_size + c) + draft_s + go_on * cost(batch_size + rest)
-        if tokens / t > best_rate * 1.02:  # the margin best_gamma demands too: calibration is noisy
-            best, best_rate = c, tokens / t
-    return best
-
-
 def scratch_step(runner: ModelRunner, bm: BlockManager, n: int, ctx: int = 64) -> None:
     """One forward of n tokens after ``ctx`` cached ones on a scratch sequence (one block table borrowed from the
     pool, returned): what the cost models time. The default is a short chat context, the regime where the step
@@ -226,28 +179,3 @@ def calibrate_target(runner: ModelRunner, bm: BlockManager) -> StepCostModel:
     step: Callable[[int], None] = lambda n: scratch_step(runner, bm, n)  # noqa: E731
     return StepCostModel.calibrate(step)
 
-
-def auto_methods(cfg: SpeculativeConfig, target: LlamaForCausalLM | None = None) -> list[str]:
-    """What ``auto`` chooses among: every lossless drafter usable without further arguments (a trained drafter
-    only when its shipped artefact was trained for ``target``), or only those of them that the config's
-    ``"methods"`` list names (e.g. to measure what one drafter adds to ``auto``); with ``"lossless": false`` also
-    the shipped blockwise heads, where they fit ``target`` (the router's lossy branch)."""
-    wanted = cfg.auto.methods
-    methods = ["ngram"]
-    if cfg.model or (target is not None and shipped_adapter_for(target, shipped_dir("draft_model")) is not None):
-        methods.append("draft_model")
-    if target is not None:
-        if shipped_adapter_for(target, shipped_dir("self_spec")) is not None:
-            methods.append("self_spec")
-        if shipped_adapter_for(target, shipped_dir("eagle")) is not None:
-            methods.append("eagle")
-        if shipped_heads_for(target) is not None:
-            methods.append("medusa")
-    if wanted is not None:
-        missing = [m for m in wanted if m not in methods]
-        if missing:
-            raise ValueError(f"auto cannot use {missing} here (no shipped drafter for this model, or no \"model\")")
-        methods = [m for m in methods if m in wanted]
-    if not cfg.auto.lossless and target is not None and shipped_heads_for(target, BLOCKWISE_DIR) is not None:
-        methods.append("blockwise")
-    return methods

@@ -1,4 +1,32 @@
-"""The drafter interface: every speculative method proposes tokens that the target then verifies in one pass."""
+"""The drafter protocol: every speculative method proposes tokens that the target then verifies in one pass.
+
+One step, as the speculator drives it (speculator.py), for the sequences the scheduler decided to run:
+
+1. **Size.** For each decoding sequence the speculator asks every candidate drafter whether it has anything to
+   propose (``has_draft``) and how much: a chain drafter is sized by the speculator's dynamic draft length and the
+   engine's step-cost model; a drafter that sizes itself returns ``(nodes, expected tokens per step)`` from
+   ``tree_budget(seq, room, cost, batch)``, where ``cost`` is that step-cost model (``StepCost``: seconds of a
+   target step of n rows, and its ``best_gamma`` rule), so a tree drafter can choose the node count whose
+   expected tokens per second beat plain decoding. The fastest drafter drafts, within ``room``.
+2. **Propose.** ``propose(seqs, budgets)`` returns one ``Proposal`` per sequence as a value: a chain
+   (``tokens``), or a token tree (``tokens`` plus ``parents``: node i's parent index, -1 for a child of the last
+   committed token, parents before children), with the draft distributions (``probs``) for lossless rejection
+   sampling when the drafter sampled. A drafter never changes the sequence.
+3. **Verify.** The target scores every node in one pass (a tree under its ancestor mask); the engine's lossless
+   rule (greedy match, rejection sampling, the tree walk) or the drafter's own (``verify_chain``,
+   ``tree_acceptance``) decides what is accepted.
+4. **Observe.** The drafter that drafted gets the result as a value: ``on_verified(seq, Verification)`` with the
+   committed length before the step, the drafts and their parents, the accepted nodes, the tokens committed this
+   step and the target's logits (the request's processors applied) at every verified row, accepted or not: row 0
+   scored the first draft position, row i + 1 the children of node i. A drafter that declares ``observes = True``
+   is also called after *every* step that committed tokens to a running sequence, whoever drafted or none:
+   ``observe(seq, hidden)``, with the target's final hidden state at the row that produced the last committed
+   token; ``seq.token_ids`` then ends with the tokens this step committed (what an index of the text appends).
+
+Per-request state (indexes, caches, estimates) lives in the proposer, keyed by ``seq.request_id``, and is freed
+by ``release(seq)``, which the speculator calls when the request finishes, is aborted or is preempted (a preempted
+sequence rebuilds its state on its next draft). Nothing a method keeps rides on ``Sequence``.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +82,28 @@ class EngineView:
                    lambda: list(engine.scheduler.running))
 
 
+@dataclass(frozen=True)
+class Verification:
+    """One sequence's verification result, for the drafter that drafted it (module docstring, step 4).
+
+    ``num_prefix_tokens``: the sequence's length before this step's tokens were committed; ``drafts`` and
+    ``parents`` (None: a chain) as proposed; ``accepted``: the accepted node indices along the path (a chain:
+    0 .. n-1); ``committed``: the tokens committed this step (the accepted drafts, then the target's own next
+    token); ``logits``: the target's logits [len(drafts) + 1, vocab] with the request's processors applied, at
+    every verified row."""
+
+    num_prefix_tokens: int
+    drafts: list[int]
+    parents: list[int] | None
+    accepted: list[int]
+    committed: list[int]
+    logits: torch.Tensor
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+
 @dataclass
 class Proposal:
     """Draft tokens for one sequence.
@@ -82,13 +132,16 @@ class StepCost(Protocol):
 
 class Proposer(ABC):
     """Invariants: ``propose`` returns one Proposal per input sequence with ``len(tokens) <= budgets[i]``
-    (a shorter or empty proposal is always allowed); it never mutates ``seq.token_ids``. After the target has
-    verified, ``on_verified(seq, num_prefix_tokens, num_accepted)`` says that the first ``num_prefix_tokens``
-    tokens (the sequence before drafting) plus ``num_accepted`` draft tokens are now committed, so a drafter
-    with its own cache can roll back the rest. ``release(seq)`` frees whatever the drafter holds for ``seq``.
+    (a shorter or empty proposal is always allowed); it never mutates the sequence. After the target has
+    verified, ``on_verified`` says what was committed (the first ``num_prefix_tokens + num_accepted`` tokens), so
+    a drafter with its own cache can roll back the rest. ``release(seq)`` frees whatever the drafter holds for
+    ``seq``. The optional capabilities are declared (``observes``, ``fixed_budget``) or are hooks whose default
+    means "not used" (``tree_budget``, ``verify_chain``, ``tree_acceptance``).
     """
 
     name: str = "proposer"
+    #: True: ``observe`` is called after every step that committed tokens to a running sequence (module docstring)
+    observes: bool = False
     #: True: draft exactly what ``tree_budget`` asks every step, never switched off by the engine's step-cost
     #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
     #: how fast this machine happened to be when the cost model was calibrated)
@@ -106,11 +159,11 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]: ...
 
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:  # noqa: B027
-        """Default: stateless drafters keep nothing."""
+    def on_verified(self, seq: Sequence, result: Verification) -> None:  # noqa: B027
+        """What the target accepted of this drafter's proposal for ``seq``. Default: stateless drafters keep nothing."""
 
     def release(self, seq: Sequence) -> None:  # noqa: B027
-        """Default: nothing to free."""
+        """Free what the drafter keeps for ``seq`` (finished, aborted or preempted). Default: nothing to free."""
 
     def has_draft(self, seq: Sequence) -> bool:
         """Whether the drafter has anything to propose for ``seq`` this step. A drafter without a proposal is left
@@ -140,9 +193,9 @@ class Proposer(ABC):
         return None
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:  # noqa: B027
-        """Called after each step that emitted tokens for ``seq`` (and is not finished) with the target's final
-        hidden state at the position whose logits produced the last emitted token. Default: ignored; drafters
-        that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
+        """Called, for drafters that declare ``observes``, after each step that committed tokens to ``seq`` (not
+        finished), with the target's final hidden state at the position whose logits produced the last committed
+        token. Drafters that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
 
     def verify_chain(
         self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
@@ -172,4 +225,4 @@ def tensor_bytes(*parts: torch.nn.Module | torch.Tensor | None) -> int:
     return total
 
 
-__all__ = ["EngineView", "Proposal", "Proposer", "StepCost", "tensor_bytes"]
+__all__ = ["EngineView", "Proposal", "Proposer", "StepCost", "Verification", "tensor_bytes"]

@@ -38,9 +38,8 @@ from typing import Literal
 
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence
-from leapdecode.speculative.methods.blockwise import DEFAULT_TOP_K, BlockwiseSettings
-from leapdecode.speculative.options import AutoOptions
-from leapdecode.speculative.state import DomainState, Route
+from leapdecode.speculative.options import check
+from leapdecode.speculative.state import DomainState, DraftState, Route
 
 TaskType = Literal["code", "math", "grounded", "chat", "translation"]
 
@@ -54,9 +53,45 @@ DOMAIN_EMA = 0.15
 DOMAIN_WARMUP = 8
 COPYING_ABOVE = 0.6
 WRITING_BELOW = 0.25
-# which drafters leave the target untouched (the tree's "minimal change") and which read its hidden states
-SEPARATE_DRAFTERS = ("draft_model", "ngram")
-MEDUSA_FAMILY = ("medusa", "eagle", "self_spec")
+AUTO = "auto"  # the method name of the router itself
+# shared keys of its candidates that auto does not read: it always sizes drafts by the step-cost model
+AUTO_IGNORES = frozenset({"use_cost_model"})
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """``auto``'s options. ``methods`` narrows the drafters it chooses among (None: every usable one; the registry
+    checks the names). The user's constraints: ``lossless`` (False allows the lossy branch: lossy block-parallel
+    decoding where such heads fit the model), ``minimal_change`` (only drafters that leave the target
+    untouched, no drafter that reads the target's hidden states), ``latency_slo_ms`` (target time per output
+    token: below 10 ms on the lossy branch the router drafts whole blocks without verification rejecting them),
+    ``memory_budget_mb`` (the most memory a drafter may hold of its own: weights, caches), ``switch_domains``
+    (watch each request for copying vs free writing and re-weigh its drafters when that changes)."""
+
+    methods: tuple[str, ...] | None = None
+    lossless: bool = True
+    minimal_change: bool = False
+    latency_slo_ms: float | None = None
+    memory_budget_mb: float | None = None
+    switch_domains: bool = True
+
+    def __post_init__(self) -> None:
+        m = self.methods
+        if isinstance(m, list):
+            object.__setattr__(self, "methods", m := tuple(m))
+        check(m is None or (isinstance(m, tuple) and len(m) > 0 and all(isinstance(x, str) for x in m)),
+              f'auto\'s "methods" must be a non-empty list of method names, got {m!r}')
+        for key in ("lossless", "minimal_change", "switch_domains"):
+            check(isinstance(getattr(self, key), bool), f"{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("latency_slo_ms", "memory_budget_mb"):
+            v = getattr(self, key)
+            check(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                  f"{key} must be a positive number (or null: no constraint), got {v!r}")
+
+
+def extreme_latency(opts: AutoOptions) -> bool:
+    """Whether the user's latency target is on the tree's "extreme" side (below ``EXTREME_LATENCY_MS``)."""
+    return opts.latency_slo_ms is not None and opts.latency_slo_ms < EXTREME_LATENCY_MS
+
 
 # --------------------------------------------------------------------------------------------- task type
 _STRONG_CODE = re.compile(r"```|\bdef \w+\(|\bclass \w+[:(]|#include|>>>|\"\"\"|'''|\bimport \w+|"
@@ -101,20 +136,29 @@ def classify_task(text: str) -> TaskType:
 # -------------------------------------------------------------------------------------------- the tree
 @dataclass(frozen=True)
 class DrafterFacts:
-    """What the tree needs to know of one built drafter: its name and the memory it holds of its own (MB)."""
+    """What the tree needs to know of one built drafter: its name, the memory it holds of its own (MB), and where
+    its method's descriptor puts it: the branch (``method.AutoBranch``: "separate", "hidden" or "lossy") and its
+    preference there (lowest first)."""
 
     name: str
     memory_mb: float
+    branch: str
+    rank: int
 
 
-def _within_budget(facts: list[DrafterFacts], budget_mb: float | None, departures: list[str]) -> list[str]:
-    names = []
+def _within_budget(facts: list[DrafterFacts], budget_mb: float | None, departures: list[str]) -> list[DrafterFacts]:
+    kept = []
     for f in facts:
         if budget_mb is not None and f.memory_mb > budget_mb:
             departures.append(f"{f.name} holds {f.memory_mb:.0f} MB > memory_budget_mb {budget_mb:g}")
             continue
-        names.append(f.name)
-    return names
+        kept.append(f)
+    return kept
+
+
+def _on_branch(facts: list[DrafterFacts], branch: str) -> list[str]:
+    """The drafters of ``branch`` in the tree's order of preference."""
+    return [f.name for f in sorted((f for f in facts if f.branch == branch), key=lambda f: f.rank)]
 
 
 def plan_route(task: str, opts: AutoOptions, facts: list[DrafterFacts]) -> Route:
@@ -125,17 +169,18 @@ def plan_route(task: str, opts: AutoOptions, facts: list[DrafterFacts]) -> Route
     branch: list[str] = []
     if not opts.lossless:
         branch.append("lossy allowed")
-        extreme = opts.latency_slo_ms is not None and opts.latency_slo_ms < EXTREME_LATENCY_MS
-        branch.append("latency < 10 ms/token: non-autoregressive blocks" if extreme else "block-parallel decoding")
-        if "blockwise" in usable and not opts.minimal_change:
-            return Route(task, branch, ("blockwise",), departures)
-        departures.append("minimal change rules out blockwise heads (they read the target's hidden states): the "
-                          "lossless branch instead" if opts.minimal_change and "blockwise" in usable else
-                          "no blockwise heads fit this model (or budget): the lossless branch instead")
+        branch.append("latency < 10 ms/token: non-autoregressive blocks" if extreme_latency(opts) else
+                      "block-parallel decoding")
+        lossy = _on_branch(usable, "lossy")
+        if lossy and not opts.minimal_change:
+            return Route(task, branch, tuple(lossy[:1]), departures)
+        departures.append(f"minimal change rules out {lossy[0]} (it reads the target's hidden states): the "
+                          "lossless branch instead" if opts.minimal_change and lossy else
+                          "no lossy drafter fits this model (or budget): the lossless branch instead")
         branch = ["lossy allowed, no lossy drafter"]
     branch.append("lossless")
-    separate = [n for n in SEPARATE_DRAFTERS if n in usable]
-    family = [n for n in MEDUSA_FAMILY if n in usable]
+    separate = _on_branch(usable, "separate")
+    family = _on_branch(usable, "hidden")
     if opts.minimal_change:
         branch.append("minimal change: speculative decoding")
         return Route(task, branch, tuple(separate), departures)
@@ -143,14 +188,6 @@ def plan_route(task: str, opts: AutoOptions, facts: list[DrafterFacts]) -> Route
     if not family:
         departures.append("no drafter reads this target's hidden states here: speculative decoding instead")
     return Route(task, branch, tuple(family + separate), departures)
-
-
-def lossy_blockwise(opts: AutoOptions, num_heads: int) -> BlockwiseSettings:
-    """The blockwise settings of the lossy branch for heads of ``num_heads`` offsets: top-k acceptance
-    (block-parallel decoding), and under an extreme latency target every proposed token kept (``min_block`` =
-    the block: non-autoregressive blocks, the verification pass only adds the next token)."""
-    extreme = opts.latency_slo_ms is not None and opts.latency_slo_ms < EXTREME_LATENCY_MS
-    return BlockwiseSettings(num_heads, "topk", DEFAULT_TOP_K, num_heads if extreme else 0)
 
 
 def pick(route: Route, rates: dict[str, tuple[int, float]]) -> tuple[str | None, int, str | None]:
@@ -194,8 +231,7 @@ class TaskAcceptance:
 class DomainDetector:
     """Copying vs free writing, per sequence (module docstring); ``update`` returns the new domain on a switch."""
 
-    def update(self, seq: Sequence) -> str | None:
-        st: DomainState = seq.draft_state.domain
+    def update(self, seq: Sequence, st: DomainState) -> str | None:
         toks = seq.token_ids
         start = max(st.done, seq.num_prompt_tokens)
         # index the prompt's bigrams first (no hits counted there: only generated text shows the domain)
@@ -234,9 +270,8 @@ class Router:
         self.tasks = TaskAcceptance()
         self.detector = DomainDetector()
 
-    def route(self, seq: Sequence) -> Route:
+    def route(self, seq: Sequence, st: DraftState) -> Route:
         """The request's route, planned on first use (module docstring, layers 1-2)."""
-        st = seq.draft_state
         if st.route is None:
             st.route = plan_route(classify_task(self.decode(seq.prompt_token_ids)), self.opts, self.facts)
             st.route.departures[:0] = [f"{name} left out: its measured acceptance {acceptance:.2f} cannot pay for "
@@ -249,46 +284,50 @@ class Router:
         """Whether the target's KV pool is too full for anyone to draft (module docstring, layer 3)."""
         return bm.num_free_blocks < KV_SHORT * bm.num_blocks
 
-    def prior(self, seq: Sequence, method: str, default: float) -> float:
+    def prior(self, seq: Sequence, st: DraftState, method: str, default: float) -> float:
         """Where ``seq``'s acceptance estimate for ``method`` starts: measured on its task, else ``default``."""
-        measured = self.tasks.acceptance(self.route(seq).task, method)
+        measured = self.tasks.acceptance(self.route(seq, st).task, method)
         return default if measured is None else measured
 
-    def depart(self, seq: Sequence, note: str) -> None:
+    def depart(self, seq: Sequence, st: DraftState, note: str) -> None:
         """Record a departure once per request and kind (the text before its first colon)."""
-        route = self.route(seq)
+        route = self.route(seq, st)
         kind = note.split(":", 1)[0]
         if not any(d.split(":", 1)[0] == kind for d in route.departures):
             route.departures.append(note)
             seq.metrics.route = route.explain()
 
-    def domain_switch(self, seq: Sequence) -> str | None:
+    def domain_switch(self, seq: Sequence, st: DraftState) -> str | None:
         """Feed the copy detector the sequence's new tokens; the new domain on a switch (recorded), else None."""
         if not self.opts.switch_domains:
             return None
-        new = self.detector.update(seq)
+        new = self.detector.update(seq, st.domain)
         if new is not None:
             seq.metrics.num_domain_switches += 1
-            self.depart(seq, f"domain switch to {new} at output token {seq.num_output_tokens}")
+            self.depart(seq, st, f"domain switch to {new} at output token {seq.num_output_tokens}")
         return new
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, st: DraftState) -> None:
         """Fold the request's measured acceptance per drafter into its task's record."""
-        route = seq.draft_state.route
+        route = st.route
         if route is None:
             return
-        for method, g in seq.draft_state.gamma.items():
+        for method, g in st.gamma.items():
             if g.drafted:
                 self.tasks.record(route.task, method, g.drafted, g.accepted)
 
 
 __all__ = [
+    "AUTO",
+    "AUTO_IGNORES",
+    "AutoOptions",
     "DomainDetector",
     "DrafterFacts",
     "Router",
     "TaskAcceptance",
     "TaskType",
     "classify_task",
+    "extreme_latency",
     "pick",
     "plan_route",
 ]

@@ -31,7 +31,7 @@ from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import processed_probs, sample_from
 from leapdecode.speculative.policy import StepCostModel
-from leapdecode.speculative.proposer import Proposal, Proposer
+from leapdecode.speculative.proposer import Proposal, Proposer, Verification
 
 
 @dataclass
@@ -212,11 +212,15 @@ class ShadowCacheProposer(Proposer):
             return 0.0
         return num_tokens * self.step_cost_fn(num_seqs)
 
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
+    def on_verified(self, seq: Sequence, result: Verification) -> None:
+        self.roll_back(seq, result.num_prefix_tokens + result.num_accepted)
+
+    def roll_back(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the drafter's cache of ``seq`` for its first ``num_tokens`` positions at most (the committed ones)."""
         sh = self.shadows.get(seq.request_id)
         if sh is None:
             return
-        sh.num_computed_tokens = min(sh.num_computed_tokens, num_prefix_tokens + num_accepted)
+        sh.num_computed_tokens = min(sh.num_computed_tokens, num_tokens)
         self.shadow_bm.trim(sh, sh.num_computed_tokens)  # type: ignore[arg-type]
 
     def release(self, seq: Sequence) -> None:

@@ -1,9 +1,10 @@
 """Glue between the engine and the drafters: how many drafts per sequence, proposing, verifying, bookkeeping.
 
 The engine calls, per step: ``budget_for`` (through the scheduler, which reserves room), ``propose`` for the
-sequences given a budget, ``shape_item`` for tree layouts, then per sequence ``verify`` and ``observe``. The
-speculator owns which proposer drafts for which sequence (``DraftState.method``); the proposers come from the
-registry, the sizing rules from policy.py, the acceptance rules from acceptance.py.
+sequences given a budget, ``shape_item`` for tree layouts, then per sequence ``verify`` and ``observe``; ``release``
+when a request finishes or is aborted, ``preempt`` when the scheduler preempts it. The speculator owns which
+proposer drafts for which sequence (``DraftState.method``, one record per request id in ``states``); the
+proposers come from the registry, the sizing rules from policy.py, the acceptance rules from acceptance.py.
 """
 
 from __future__ import annotations
@@ -27,19 +28,11 @@ from leapdecode.speculative.acceptance import (
     verify_tree_sampling,
     verify_tree_typical,
 )
-from leapdecode.speculative.policy import (
-    DynamicGamma,
-    GammaState,
-    StepCostModel,
-    auto_methods,
-    calibrate_target,
-    chunk_size,
-    expected_tokens,
-    group_by_acceptance,
-)
-from leapdecode.speculative.proposer import EngineView, Proposal, Proposer
-from leapdecode.speculative.registry import make_proposer
-from leapdecode.speculative.router import KV_SHORT, DrafterFacts, Router, pick
+from leapdecode.speculative.policy import DynamicGamma, GammaState, StepCostModel, calibrate_target, expected_tokens
+from leapdecode.speculative.proposer import EngineView, Proposer, Verification
+from leapdecode.speculative.registry import METHODS, auto_methods, make_proposer, parse_config
+from leapdecode.speculative.router import AUTO, KV_SHORT, AutoOptions, DrafterFacts, Router, pick
+from leapdecode.speculative.state import DraftState
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
@@ -50,16 +43,21 @@ class Speculator:
     """Owns one proposer per usable method (one, or several for ``auto``) and decides per sequence and per step
     which method drafts and how many tokens, from each method's measured acceptance on that sequence and the
     measured cost of target (and drafter) steps. Invariant: a sequence's drafts always come from one proposer
-    per step, recorded in ``seq.draft_state.method``, and only that proposer is told the verification result.
+    per step, recorded in its ``DraftState.method``, and only that proposer is told the verification result.
     """
 
-    def __init__(self, engine: Any, cfg: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    parse = staticmethod(parse_config)  # what the engine checks a new speculative_config dict with
+
+    def __init__(self, engine: Any, cfg: SpeculativeConfig | dict[str, Any],
+                 proposer: Proposer | None = None) -> None:
         self.view = view = EngineView.of(engine)
-        self.cfg = cfg
+        self.cfg = cfg = parse_config(cfg)  # type: ignore[assignment]
+        assert cfg is not None
+        self.states: dict[str, DraftState] = {}  # request id -> what the speculator keeps for it
         if proposer is not None:
             self.proposers = {cfg.method: proposer}
         else:
-            names = auto_methods(cfg, view.model) if cfg.method == "auto" else [cfg.method]
+            names = auto_methods(cfg, view.model) if cfg.method == AUTO else [cfg.method]
             self.proposers = {name: make_proposer(cfg, view, name) for name in names}
         self.proposer = next(iter(self.proposers.values()))  # the proposer of single-method configs
         self.dropped: dict[str, float] = {}  # auto: drafters left out as unprofitable here -> their prior
@@ -72,29 +70,27 @@ class Speculator:
         # these ~0.1-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
-        # chunked verification: chains split (a tail kept back), and steps that verified a kept tail
-        self.num_chunked = 0
-        self.num_resumed = 0
-        # acceptance-grouped sizing: request id -> (its length when planned, method, draft length)
-        self._group: dict[str, tuple[int, str | None, int]] = {}
-        self._group_running: list[str] = []
         # chains verified, per draft position j: [drafts at j, of them accepted] (acceptance by draft position)
         self.position_counts: list[list[int]] = []
         # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
-        if (cfg.use_cost_model or cfg.method == "auto") and sized_by_cost:
+        if (cfg.use_cost_model or cfg.method == AUTO) and sized_by_cost:
             self.cost = calibrate_target(view.runner, view.block_manager)
             for prop in self.proposers.values():
                 prop.calibrate_cost()  # drafters that run a model time their own steps
-        if cfg.method == "auto" and self.cost is not None:
+        if cfg.method == AUTO and self.cost is not None:
             self._drop_unprofitable()
         self.router: Router | None = None  # auto: the strategy router (router.py) picks per request and step
-        if cfg.method == "auto":
-            facts = [DrafterFacts(n, p.memory_bytes() / 2**20) for n, p in self.proposers.items()]
+        if cfg.method == AUTO:
+            facts = []
+            for n, p in self.proposers.items():
+                use = METHODS[n].auto
+                assert use is not None
+                facts.append(DrafterFacts(n, p.memory_bytes() / 2**20, use.branch, use.rank))
             tok = view.tokenizer
             text: Callable[[list[int]], str] = (lambda ids: "") if tok is None else \
                 (lambda ids: tok.decode(ids, skip_special_tokens=True))
-            self.router = Router(cfg.auto, facts, text, self.dropped)
+            self.router = Router(cfg.options(AutoOptions), facts, text, self.dropped)
 
     def _drop_unprofitable(self) -> None:
         """``auto``: leave out chain drafters whose measured acceptance (``prior_acceptance``) cannot pay for
@@ -113,8 +109,15 @@ class Speculator:
         self.proposer = next(iter(self.proposers.values()))
 
     # -------------------------------------------------------------------------------------------- policy
+    def draft_state(self, seq: Sequence) -> DraftState:
+        """What the speculator keeps for ``seq`` (made on first use, dropped by ``release``)."""
+        st = self.states.get(seq.request_id)
+        if st is None:
+            st = self.states[seq.request_id] = DraftState()
+        return st
+
     def state(self, seq: Sequence, method: str) -> GammaState:
-        states = seq.draft_state.gamma
+        states = self.draft_state(seq).gamma
         st = states.get(method)
         if st is None:
             st = states[method] = self.gamma.new_state()
@@ -125,7 +128,7 @@ class Speculator:
         """Where ``seq``'s acceptance estimate for ``method`` starts: under ``auto`` what the router measured for
         the request's task, else the drafter's prior."""
         prior = self.proposers[method].acceptance_prior()
-        return prior if self.router is None else self.router.prior(seq, method, prior)
+        return prior if self.router is None else self.router.prior(seq, self.draft_state(seq), method, prior)
 
     def _room(self, seq: Sequence) -> int:
         """The most drafts ``seq`` can verify: one emitted token is the target's own, within max_tokens and the
@@ -134,27 +137,22 @@ class Speculator:
 
     def budget_for(self, seq: Sequence) -> int:
         """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
-        seq.draft_state.method = None
+        self.draft_state(seq).method = None
         if not seq.params.speculative:
             return 0
         room = self._room(seq)
         if room <= 0:
             return 0
-        kept = self._pending_budget(seq, room)
-        if kept:
-            return kept
-        batch = max(1, len(self.view.running()))
-        if batch > 1 and self.cfg.group_by_acceptance and self.cost is not None:
-            return self._grouped_budget(seq, room, batch)
-        return self._choose(seq, room, batch)
+        return self._choose(seq, room, max(1, len(self.view.running())))
 
     def _choose(self, seq: Sequence, room: int, batch: int) -> int:
         """The method and draft length ``seq`` would take alone (every other sequence verifying one token)."""
         names = list(self.proposers)
+        st = self.draft_state(seq)
         if self.router is not None:
-            names = [n for n in self.router.route(seq).candidates if n in self.proposers]
+            names = [n for n in self.router.route(seq, st).candidates if n in self.proposers]
             if self.router.kv_short(self.view.block_manager):
-                self.router.depart(seq, f"KV short: under {KV_SHORT:.0%} of the KV pool free, no drafting")
+                self.router.depart(seq, st, f"KV short: under {KV_SHORT:.0%} of the KV pool free, no drafting")
                 return 0
         # every method must beat plain decoding's rate to be chosen
         plain = batch / self.cost(batch) if self.cost is not None else 0.0
@@ -166,7 +164,7 @@ class Speculator:
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
                 if tree[0] > 0:
-                    seq.draft_state.method = name
+                    st.method = name
                     return tree[0]
                 continue
             k, rate = self._tree_rate(name, prop, tree, batch) if tree is not None else \
@@ -177,82 +175,11 @@ class Speculator:
             best = max(rates, key=lambda n: rates[n][1]) if rates else None
             best_k = rates[best][0] if best is not None else 0
         else:
-            best, best_k, note = pick(self.router.route(seq), rates)
+            best, best_k, note = pick(self.router.route(seq, st), rates)
             if note is not None:
-                self.router.depart(seq, note)
-        seq.draft_state.method = best
+                self.router.depart(seq, st, note)
+        st.method = best
         return best_k
-
-    def _grouped_budget(self, seq: Sequence, room: int, batch: int) -> int:
-        """``seq``'s share of this step's drafts sized together (``policy.group_by_acceptance``); the plan is made
-        for every running decoding sequence at the first call of a step and holds while the running set and their
-        lengths do."""
-        entry = self._group.get(seq.request_id)
-        running = [s.request_id for s in self.view.running()]
-        if entry is None or entry[0] != seq.num_tokens or running != self._group_running:
-            self._group_running = running
-            self._plan_group(batch)
-            entry = self._group.get(seq.request_id)
-        if entry is None:  # not among the running sequences: alone
-            return self._choose(seq, room, batch)
-        seq.draft_state.method = entry[1] if entry[2] > 0 else None
-        return entry[2]
-
-    def _plan_group(self, batch: int) -> None:
-        """Each running decoding sequence's method and length alone, then the chains' lengths sized together."""
-        seqs, wants = [], []
-        for s in self.view.running():
-            room = self._room(s)
-            if not s.params.speculative or room <= 0 or s.num_computed_tokens != s.num_tokens - 1:
-                continue
-            k = self._pending_budget(s, room) or self._choose(s, room, batch)
-            name = s.draft_state.method
-            chain = name is not None and name in s.draft_state.gamma and s.draft_state.pending_method != name
-            prop = self.proposers[name] if name is not None else None
-            draft = (lambda g, p=prop: p.step_cost(batch, g)) if prop is not None else (lambda g: 0.0)
-            seqs.append(s)
-            wants.append((self.state(s, name).acceptance_ema if chain and name else None, k, draft))
-        assert self.cost is not None
-        sizes = group_by_acceptance(wants, self.cost, batch)
-        self._group = {s.request_id: (s.num_tokens, s.draft_state.method, k) for s, k in zip(seqs, sizes)}
-
-    def _pending_budget(self, seq: Sequence, room: int) -> int:
-        """Drafts kept back by chunked verification that still hold (the sequence committed every submitted draft
-        and then exactly the next kept one): verify them this step, without drafting. Else they are dropped."""
-        st = seq.draft_state
-        if not st.pending:
-            return 0
-        if (seq.num_tokens != st.pending_at or seq.token_ids[-1] != st.pending[0] or len(st.pending) < 2
-                or st.pending_method not in self.proposers):
-            self._keep(seq, None, [], None, -1)
-            return 0
-        st.method = st.pending_method
-        return min(len(st.pending) - 1, room)
-
-    @staticmethod
-    def _keep(seq: Sequence, method: str | None, tokens: list[int], probs: torch.Tensor | None, at: int) -> None:
-        st = seq.draft_state
-        st.pending, st.pending_probs, st.pending_at, st.pending_method = tokens, probs, at, method
-
-    def _chunk(self, seq: Sequence, name: str, prop: Proposal, propose_s: float) -> Proposal:
-        """The part of ``prop`` to verify this step; a long chain's tail is kept back when verifying it in chunks
-        pays (``policy.chunk_size``) or the config fixes a chunk (``verify_chunk``)."""
-        n = len(prop.tokens)
-        forced = self.cfg.verify_chunk
-        c = n
-        if prop.parents is None and not self.proposers[name].fixed_budget and forced != 0:
-            if forced is not None:
-                c = min(n, forced)
-            elif self.cost is not None:
-                batch = max(1, len(self.view.running()))
-                c = chunk_size(self.cost, self.state(seq, name).acceptance_ema, n, batch, propose_s)
-        if c >= n:
-            self._keep(seq, None, [], None, -1)
-            return prop
-        probs = prop.probs
-        self.num_chunked += 1
-        self._keep(seq, name, prop.tokens[c:], None if probs is None else probs[c:], seq.num_tokens + c + 1)
-        return Proposal(prop.tokens[:c], None if probs is None else probs[:c])
 
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
         """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises."""
@@ -305,45 +232,36 @@ class Speculator:
 
     # ------------------------------------------------------------------------------------------- actions
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
+        """Each chosen proposer drafts for its sequences, in one call per proposer; the drafts go to the step's
+        sequences (``draft_token_ids``, ``draft_probs``) and their tree layout to ``DraftState.tree_parents``."""
         by_method: dict[str, list[ScheduledSeq]] = {}
         for s in scheduled:
-            by_method.setdefault(s.seq.draft_state.method or "", []).append(s)
+            by_method.setdefault(self.draft_state(s.seq).method or "", []).append(s)
         for name, group in by_method.items():
             if name not in self.proposers:
                 continue
-            kept = [s for s in group if s.seq.draft_state.pending_method == name]
-            fresh = [s for s in group if s.seq.draft_state.pending_method != name]
-            seqs = [s.seq for s in fresh]
+            seqs = [s.seq for s in group]
             t0 = time.perf_counter()
-            props = self.proposers[name].propose(seqs, [s.spec_budget for s in fresh]) if fresh else []
-            if fresh:
-                spent = rank0_value(time.perf_counter() - t0)  # rank 0's clock on every rank
-                modelled = self.proposers[name].step_cost(len(seqs), max(s.spec_budget for s in fresh))
-                self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (spent - modelled) / len(seqs))
-            self.num_resumed += len(kept)
-            for s in kept:  # the rest of a chain verified in chunks: no drafting this step
-                st = s.seq.draft_state
-                k = s.spec_budget
-                probs = None if st.pending_probs is None else st.pending_probs[1 : 1 + k]
-                seqs.append(s.seq)
-                props.append(Proposal(st.pending[1 : 1 + k], probs))
+            props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
+            spent = rank0_value(time.perf_counter() - t0)  # rank 0's clock on every rank
+            modelled = self.proposers[name].step_cost(len(seqs), max(s.spec_budget for s in group))
+            self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (spent - modelled) / len(seqs))
             for seq, prop in zip(seqs, props):
-                # the measured average, not this call's time: every decision reads the same smoothed clock
-                prop = self._chunk(seq, name, prop, self._draft_seconds(name, len(prop.tokens)))
+                st = self.draft_state(seq)
                 if prop.tokens:
                     seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
-                elif self.router is not None and name in seq.draft_state.gamma:
+                elif self.router is not None and name in st.gamma:
                     # it ran and stopped before its first draft (a draft model below its confidence floor): the
                     # step cost its time and gained nothing, as a verification that accepted nothing would
-                    self.gamma.update(seq.draft_state.gamma[name], 1, 0)
+                    self.gamma.update(st.gamma[name], 1, 0)
                 seq.draft_token_ids = list(prop.tokens)
                 seq.draft_probs = prop.probs
-                seq.draft_state.tree_parents = list(prop.parents) if prop.parents and prop.tokens else None
+                st.tree_parents = list(prop.parents) if prop.parents and prop.tokens else None
 
     def shape_item(self, seq: Sequence, item: ForwardItem, num_prefix: int) -> None:
         """A candidate tree runs as ``num_prefix`` ordinary tokens (the last is the root) plus its nodes at
         RoPE positions by depth under the ancestor mask; chains keep the plain causal layout."""
-        parents = seq.draft_state.tree_parents
+        parents = self.draft_state(seq).tree_parents
         if parents is None:
             return
         item.depths = list(range(num_prefix)) + [num_prefix - 1 + d for d in depths_of(parents)]
@@ -352,17 +270,18 @@ class Speculator:
     def observe(self, seq: Sequence, res: ForwardResult) -> None:
         """Hand the drafters the hidden state behind the last emitted token (row recorded by ``verify``; the
         last row after plain sampling)."""
-        row, seq.draft_state.hidden_row = seq.draft_state.hidden_row, -1
-        if seq.draft_token_ids and seq.draft_state.tree_parents is None:  # a chain was verified this step
-            self._count_positions(len(seq.draft_token_ids), len(seq.draft_state.accepted_path))
-        # only drafters that keep the hidden state (heads) are called: indexing the row costs ~5 us a call, paid
+        st = self.draft_state(seq)
+        row, st.hidden_row = st.hidden_row, -1
+        if seq.draft_token_ids and st.tree_parents is None:  # a chain was verified this step
+            self._count_positions(len(seq.draft_token_ids), len(st.accepted_path))
+        # only drafters that declare they observe (heads) are called: indexing the row costs ~5 us a call, paid
         # per sequence and drafter on every step, and most drafters ignore it
-        watchers = [p for p in self.proposers.values() if type(p).observe is not Proposer.observe]
+        watchers = [p for p in self.proposers.values() if p.observes]
         if watchers and not seq.is_finished and res.hidden.numel():
             hidden = res.hidden[row]
             for prop in watchers:
                 prop.observe(seq, hidden)
-        if self.router is not None and not seq.is_finished and self.router.domain_switch(seq) is not None:
+        if self.router is not None and not seq.is_finished and self.router.domain_switch(seq, st) is not None:
             self._restart_estimates(seq)
 
     def _count_positions(self, drafted: int, accepted: int) -> None:
@@ -376,11 +295,13 @@ class Speculator:
         """The copy detector saw the text change domain: prompt lookup's acceptance estimate becomes the measured
         copy rate, every other drafter's restarts where a new request's would, so the next step weighs them
         afresh."""
-        hit_rate = seq.draft_state.domain.hit_rate
-        for method, st in seq.draft_state.gamma.items():
+        ds = self.draft_state(seq)
+        for method, st in ds.gamma.items():
             st.acceptance_ema = self.start_acceptance(seq, method)
-        if "ngram" in self.proposers:
-            self.state(seq, "ngram").acceptance_ema = hit_rate
+        for name in self.proposers:
+            use = METHODS[name].auto
+            if use is not None and use.tracks_copying:
+                self.state(seq, name).acceptance_ema = ds.domain.hit_rate
 
     def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor | None]:
         """Emitted tokens, the number of drafts accepted and the processed logits of the rows the emitted tokens
@@ -390,7 +311,7 @@ class Speculator:
         γ (chains), the drafter's own roll-back (``on_verified``) and the row whose hidden state the drafters
         observe next."""
         t0 = time.perf_counter()
-        st = seq.draft_state
+        st = self.draft_state(seq)
         assert st.method is not None, "verify() of a sequence that did not draft"
         prop = self.proposers[st.method]
         drafted = len(seq.draft_token_ids)
@@ -412,8 +333,9 @@ class Speculator:
         m.accepted_per_pos.extend([0] * (accepted - len(m.accepted_per_pos)))
         for i in range(accepted):
             m.accepted_per_pos[i] += 1
-        st.accepted_path = path  # which nodes: a hybrid tells its trunk drafter how much was its own
-        prop.on_verified(seq, seq.num_tokens, accepted)
+        st.accepted_path = path
+        prop.on_verified(seq, Verification(seq.num_tokens, list(seq.draft_token_ids), st.tree_parents, list(path),
+                                           list(tokens), logits))
         st.hidden_row = hidden_row
         self.verify_s = self._ema(self.verify_s, rank0_value(time.perf_counter() - t0))
         return tokens, accepted, drawn
@@ -483,10 +405,24 @@ class Speculator:
         self.view.runner.copy_slots(src, dst)  # every tier, int8 scales, and captured hidden states
 
     def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: every proposer frees what it keeps for it, the router folds in what
+        the request measured, and the speculator forgets it."""
         for prop in self.proposers.values():
             prop.release(seq)
-        if self.router is not None:
-            self.router.finish(seq)
+        st = self.states.pop(seq.request_id, None)
+        if self.router is not None and st is not None:
+            self.router.finish(st)
+
+    def preempt(self, seq: Sequence) -> None:
+        """The scheduler preempted ``seq``: the proposers free what they keep for it (they rebuild it when it drafts
+        again); the speculator keeps its estimates and route, which still hold for the request."""
+        for prop in self.proposers.values():
+            prop.release(seq)
+
+    def close(self) -> None:
+        """The engine stops using this speculator: every proposer stops whatever it does on the engine's passes."""
+        for prop in self.proposers.values():
+            prop.detach()
 
 
 __all__ = ["Speculator"]

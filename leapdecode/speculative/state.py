@@ -1,14 +1,12 @@
-"""What speculative decoding remembers about one sequence between steps (``Sequence.draft_state``).
+"""What the speculator remembers about one sequence between steps (``Speculator.states``, by request id).
 
-One typed record instead of a dict of string keys: the speculator's own bookkeeping first, then what each
-method keeps. Only the speculator and the proposers read or write it; the engine just carries it.
+One typed record instead of a dict of string keys, for the speculator's and the router's bookkeeping; what a
+method keeps per request lives in its proposer (proposer.py), and nothing rides on the engine's ``Sequence``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 PRIOR_ACCEPTANCE = 0.7  # optimistic, so a new sequence gets to try drafting
 
@@ -56,7 +54,7 @@ class DomainState:
 
 @dataclass
 class DraftState:
-    """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafted this step (None: plain
+    """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafts this step (None: plain
     decoding), and only that proposer is told the verification result."""
 
     # the speculator's bookkeeping
@@ -65,25 +63,6 @@ class DraftState:
     accepted_path: list[int] = field(default_factory=list)  # tree nodes accepted by the last verification
     hidden_row: int = -1  # row of the last forward whose hidden state predicted the last emitted token
     gamma: dict[str, GammaState] = field(default_factory=dict)  # per chain drafter: draft length and acceptance
-    # prompt lookup (methods/ngram.py): n-gram -> position after its latest occurrence, for tokens < ngram_done
-    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)
-    ngram_done: int = 0
-    # heads drafters (heads.py), per proposer name: (sequence length, the hidden state that predicted its last token)
-    heads_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    # EAGLE trees (methods/eagle.py): a tree was verified this step; measured tokens per tree step
-    eagle_tree: bool = False
-    eagle_tree_tokens: float | None = None
-    # hybrid trees (methods/hybrid.py): the trunk's draft length state, the trunk length asked and drafted
-    hybrid_gamma: GammaState | None = None
-    hybrid_trunk: int | None = None
-    hybrid_trunk_len: int = 0
-    # chunked verification (speculator.py): the drafts kept back from the last verification, the length the
-    # sequence has when they still hold (every submitted draft accepted and the bonus token equal to pending[0]),
-    # their draft distributions and the method that drafted them
-    pending: list[int] = field(default_factory=list)
-    pending_probs: torch.Tensor | None = None
-    pending_at: int = -1
-    pending_method: str | None = None
     # the strategy router (router.py): this request's route and its copy detector
     route: Route | None = None
     domain: DomainState = field(default_factory=DomainState)

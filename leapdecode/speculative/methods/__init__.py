@@ -1,1 +1,1 @@
-"""One speculative method per module; ``registry.FACTORIES`` lists them."""
+"""One speculative method per module, each declaring its ``METHOD`` descriptor (speculative/method.py)."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -49,12 +50,41 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import processed_probs
 from leapdecode.speculative.acceptance import verify_block_topk, verify_tree_sampling
-from leapdecode.speculative.artifacts import BLOCKWISE_DIR, check_heads_fit, load_heads
+from leapdecode.speculative.artifacts import BLOCKWISE_DIR, check_heads_fit, load_heads, shipped_heads_for
 from leapdecode.speculative.heads import HeadsProposer, MedusaHeads
-from leapdecode.speculative.options import Acceptance
+from leapdecode.speculative.method import AutoUse, Method
+from leapdecode.speculative.options import check, is_int
 from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
+from leapdecode.speculative.router import AutoOptions, extreme_latency
 
 DEFAULT_TOP_K = 2
+Acceptance = Literal["exact", "topk"]
+ACCEPTANCE: tuple[str, ...] = get_args(Acceptance)
+
+
+@dataclass(frozen=True)
+class BlockwiseOptions:
+    """Blockwise acceptance (methods/blockwise.py): ``"exact"`` (lossless) or opt-in lossy ``"topk"``, where a
+    draft among the target's ``top_k`` best passes and the first ``min_block`` drafts pass regardless. ``None``:
+    not given; exact acceptance refuses both rather than ignoring them (it is lossless and has nothing for them
+    to change)."""
+
+    acceptance: Acceptance = "exact"
+    top_k: int | None = None
+    min_block: int | None = None
+
+    def __post_init__(self) -> None:
+        check(self.acceptance in ACCEPTANCE,
+               f"blockwise acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
+        if self.acceptance == "exact":
+            given = [k for k in ("top_k", "min_block") if getattr(self, k) is not None]
+            check(not given, f"{', '.join(given)} only apply to acceptance='topk' (lossy, opt-in); exact "
+                              "acceptance is lossless and takes neither")
+        check(self.top_k is None or is_int(self.top_k, 1),
+               f"blockwise top_k must be an integer >= 1, got {self.top_k!r}")
+        check(self.min_block is None or is_int(self.min_block, 0),
+               f"blockwise min_block must be an integer in [0, k] (proposed tokens kept without the top-k test), "
+               f"got {self.min_block!r}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +104,7 @@ class BlockwiseSettings:
     def from_config(cls, cfg: SpeculativeConfig, num_heads: int) -> BlockwiseSettings:
         """From a config whose heads folder holds ``num_heads`` heads (options.BlockwiseOptions checked the rest);
         every mistake is a ValueError that says what to change."""
-        opts = cfg.blockwise
+        opts = cfg.options(BlockwiseOptions)
         k = cfg.num_speculative_tokens if cfg.num_speculative_tokens is not None else num_heads
         if not isinstance(k, int) or not 1 <= k <= num_heads:
             raise ValueError(
@@ -172,4 +202,31 @@ class BlockwiseProposer(HeadsProposer):
         return tokens, len(path)
 
 
-__all__ = ["BlockwiseProposer", "BlockwiseSettings"]
+def lossy_blockwise(opts: AutoOptions, num_heads: int) -> BlockwiseSettings:
+    """The settings of auto's lossy branch for heads of ``num_heads`` offsets: top-k acceptance (block-parallel
+    decoding), and under an extreme latency target every proposed token kept (``min_block`` = the block:
+    non-autoregressive blocks, the verification pass only adds the next token)."""
+    return BlockwiseSettings(num_heads, "topk", DEFAULT_TOP_K, num_heads if extreme_latency(opts) else 0)
+
+
+def _build(cfg: SpeculativeConfig, view: EngineView, auto: bool) -> BlockwiseProposer:
+    """The config's heads and settings; under auto (its lossy branch only) the shipped heads, with the router's
+    lossy settings."""
+    if not auto:
+        return BlockwiseProposer.from_config(cfg, view)
+    opts = cfg.options(AutoOptions)
+    return BlockwiseProposer.from_config(cfg, view, str(BLOCKWISE_DIR), lambda n: lossy_blockwise(opts, n))
+
+
+METHOD = Method(
+    name="blockwise",
+    options=(BlockwiseOptions,),
+    shared=frozenset({"model", "num_speculative_tokens"}),
+    build=_build,
+    artefact="blockwise",
+    auto=AutoUse("lossy", rank=0, usable=lambda cfg, target: target is not None and
+                 shipped_heads_for(target, BLOCKWISE_DIR) is not None),
+    lossy_bench={"blockwise_topk": {"method": "blockwise", "acceptance": "topk", "top_k": 2}},
+)
+
+__all__ = ["ACCEPTANCE", "METHOD", "BlockwiseOptions", "BlockwiseProposer", "BlockwiseSettings", "lossy_blockwise"]

@@ -25,9 +25,12 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.engine.sequence import Sequence
+from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
-from leapdecode.speculative.artifacts import is_adapter_folder
+from leapdecode.speculative.artifacts import is_adapter_folder, shipped_adapter_for, shipped_dir
+from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
+from leapdecode.speculative.options import CHAIN_KEYS, DrafterOptions
 from leapdecode.speculative.policy import scratch_step
 from leapdecode.speculative.proposer import EngineView, tensor_bytes
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
@@ -117,4 +120,19 @@ def make_draft_model(cfg: SpeculativeConfig, view: EngineView) -> ShadowCachePro
     return DraftModelProposer.from_path(cfg.model, view, cfg.draft_linear_kernel)
 
 
-__all__ = ["DraftModelProposer", "check_same_tokenizer", "make_draft_model"]
+def _usable(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> bool:
+    """Under auto: a draft model named by "model", or the shipped small draft when it was trained for ``target``."""
+    return bool(cfg.model) or (target is not None and shipped_adapter_for(target, shipped_dir(NAME)) is not None)
+
+
+NAME = "draft_model"
+METHOD = Method(
+    name=NAME,
+    options=(DrafterOptions,),
+    shared=frozenset({"model", "draft_linear_kernel"}) | CHAIN_KEYS,
+    build=lambda cfg, view, auto: make_draft_model(cfg, view),
+    artefact="draft",
+    auto=AutoUse("separate", rank=0, options=(DrafterOptions,), usable=_usable),
+)
+
+__all__ = ["METHOD", "DraftModelProposer", "check_same_tokenizer", "make_draft_model"]

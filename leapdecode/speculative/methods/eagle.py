@@ -53,11 +53,13 @@ import torch
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.engine.sequence import Sequence
+from leapdecode.speculative.artifacts import shipped_adapter_for, shipped_dir
 from leapdecode.speculative.exit_adapter import ExitAdapter
+from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.self_spec import DEFAULT_MIN_DRAFT_PROB, SelfSpecProposer
-from leapdecode.speculative.options import DraftPrecision, EagleTreeOptions
+from leapdecode.speculative.options import CHAIN_KEYS, DrafterOptions, DraftPrecision, check, is_int, is_prob
 from leapdecode.speculative.policy import expected_tokens
-from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
+from leapdecode.speculative.proposer import EngineView, Proposal, StepCost, Verification
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan
 from leapdecode.speculative.tree import select_by_score
 
@@ -65,6 +67,28 @@ from leapdecode.speculative.tree import select_by_score
 # CPU (README: the eagle tree table): wider or deeper trees accepted at most 0.03 more tokens per step and cost
 # more to draft
 TREE_EMA = 0.2  # per-sequence tokens-per-step estimate of the tree: weight of each new step
+ARTEFACT = "eagle"  # the shipped feature draft: leapdecode/artifacts/eagle/
+
+
+@dataclass(frozen=True)
+class EagleTreeOptions:
+    """EAGLE's dynamic draft tree (methods/eagle.py): ``tree_nodes`` > 0 grows a tree and verifies its N best
+    nodes (0: a chain); each pass expands the ``tree_beam`` best nodes of the newest depth into their
+    ``tree_top_k`` children, for ``tree_depth`` depths, never adding a node below ``tree_min_prob``. The defaults
+    were chosen on MT-Bench development prompts at batch 1 on a 2-core CPU (README: the eagle tree table)."""
+
+    tree_nodes: int = 0
+    tree_top_k: int = 2
+    tree_beam: int = 2
+    tree_depth: int = 3
+    tree_min_prob: float = 0.05
+
+    def __post_init__(self) -> None:
+        for key, low in (("tree_nodes", 0), ("tree_top_k", 1), ("tree_beam", 1), ("tree_depth", 1)):
+            v = getattr(self, key)
+            check(is_int(v, low), f"{key} must be an integer >= {low}, got {v!r}")
+        check(is_prob(self.tree_min_prob, high_open=True),
+               f"tree_min_prob must be a number in [0, 1), got {self.tree_min_prob!r}")
 
 
 @dataclass
@@ -106,6 +130,7 @@ class EagleProposer(SelfSpecProposer):
                  vocab_subset: torch.Tensor | None = None, draft_precision: DraftPrecision = "int8") -> None:
         super().__init__(view, adapter, min_draft_prob, vocab_subset, draft_precision)
         self.configure_tree(EagleTreeOptions())  # a chain until the config asks for a tree
+        self.tree_tokens: dict[str, float] = {}  # request id -> its measured tokens per tree step
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, view: EngineView, kind: str = "eagle",
@@ -237,7 +262,6 @@ class EagleProposer(SelfSpecProposer):
             kept, parents = select_by_score(t.scores, t.parents, budgets[i])
             if kept:
                 props[i] = Proposal([t.tokens[k] for k in kept], None, parents)
-                t.plan.seq.draft_state.eagle_tree = True  # on_verified: a tree was verified this step
         return props
 
     def _expansion_item(self, t: _Tree, expand: list[int], depth: int) -> ForwardItem:
@@ -267,14 +291,11 @@ class EagleProposer(SelfSpecProposer):
             return None
         n = min(self.tree_nodes, room)
         prior = expected_tokens(self.acceptance_prior(), self.tree_depth)
-        st = seq.draft_state
-        if st.eagle_tree_tokens is None:
-            st.eagle_tree_tokens = prior
-        est = st.eagle_tree_tokens
+        est = self.tree_tokens.setdefault(seq.request_id, prior)
         # the engine's rule for whether drafting pays, asked for one size: the whole n-node tree or nothing
         if cost is not None and n > 0 and cost.best_gamma(est, 1, batch, batch, lambda g: self.step_cost(batch, n),
                                                           rows=lambda g: n, expected=lambda a, g: a) == 0:
-            st.eagle_tree_tokens = est + 0.05 * (prior - est)
+            self.tree_tokens[seq.request_id] = est + 0.05 * (prior - est)
             return 0, 1.0
         return n, est
 
@@ -286,15 +307,18 @@ class EagleProposer(SelfSpecProposer):
         fn = self.step_cost_fn
         return fn(num_seqs) + (self.tree_depth - 1) * fn(num_seqs * self.tree_beam)
 
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
+    def on_verified(self, seq: Sequence, result: Verification) -> None:
         """Keep only positions drafted from target features: accepted drafts are recomputed from the target's.
         After a tree, its tokens per step enter the sequence's estimate (``tree_budget``)."""
-        super().on_verified(seq, num_prefix_tokens, 0)
-        st = seq.draft_state
-        if st.eagle_tree:
-            st.eagle_tree = False
-            est = st.eagle_tree_tokens if st.eagle_tree_tokens is not None else 1.0 + num_accepted
-            st.eagle_tree_tokens = est + TREE_EMA * (1.0 + num_accepted - est)
+        self.roll_back(seq, result.num_prefix_tokens)
+        if result.parents is not None:
+            tokens = 1.0 + result.num_accepted
+            est = self.tree_tokens.get(seq.request_id, tokens)
+            self.tree_tokens[seq.request_id] = est + TREE_EMA * (tokens - est)
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self.tree_tokens.pop(seq.request_id, None)
 
     @torch.inference_mode()
     def timed_draft_step(self, n: int) -> None:
@@ -311,4 +335,18 @@ class EagleProposer(SelfSpecProposer):
                 torch.softmax(self._subset_logits(out)[0], dim=-1).max(dim=-1)
         finally:
             self.num_adapter_tokens = count
-__all__ = ["EagleProposer"]
+METHOD = Method(
+    name="eagle",
+    options=(EagleTreeOptions, DrafterOptions),
+    shared=frozenset({"model"}) | CHAIN_KEYS,
+    # under auto (and as a hybrid's trunk) a chain: the tree is this method's own opt-in
+    build=lambda cfg, view, auto: EagleProposer.from_config(
+        cfg, view, ARTEFACT, shipped_only=auto, tree=None if auto else cfg.options(EagleTreeOptions)),
+    artefact=ARTEFACT,
+    auto=AutoUse("hidden", rank=1, options=(DrafterOptions,),
+                 usable=lambda cfg, target: target is not None and
+                 shipped_adapter_for(target, shipped_dir(ARTEFACT)) is not None),
+    bench={"eagle_tree": {"method": "eagle", "tree_nodes": 4}},
+)
+
+__all__ = ["METHOD", "EagleProposer", "EagleTreeOptions"]

@@ -31,23 +31,48 @@ beside the trunk (default 1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, get_args
+
 import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
 from leapdecode.speculative.artifacts import MEDUSA_DIR, is_feature_draft
+from leapdecode.speculative.method import Method
 from leapdecode.speculative.methods.draft_model import make_draft_model
 from leapdecode.speculative.methods.eagle import EagleProposer
-from leapdecode.speculative.methods.medusa import MedusaProposer
+from leapdecode.speculative.methods.medusa import DEFAULT_TOP_K, MedusaOptions, MedusaProposer
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
-from leapdecode.speculative.options import TrunkMethod
+from leapdecode.speculative.options import CHAIN_KEYS, DrafterOptions, check, is_int
 from leapdecode.speculative.policy import DynamicGamma, GammaState, expected_tokens
-from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost
+from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification
 from leapdecode.speculative.shadow_cache import ShadowCacheProposer
 
 DEFAULT_BRANCHES = 1
+TrunkMethod = Literal["self_spec", "draft_model", "eagle"]
+TRUNKS: tuple[str, ...] = get_args(TrunkMethod)
 RESCUE_PRIOR = 0.2  # chance that a branch saves a rejected trunk node, before any measurement
 RESCUE_EMA = 0.05
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """Hybrid trees (methods/hybrid.py): the ``trunk`` chain drafter (None: ``draft_model`` when "model" is
+    given, else ``self_spec``), other Medusa ``heads`` (a folder; None: the shipped ones) and ``branches``
+    candidates per depth beside the trunk, drawn from the heads' ``top_k`` best."""
+
+    trunk: TrunkMethod | None = None
+    heads: str | None = None
+    branches: int = DEFAULT_BRANCHES
+    top_k: int = DEFAULT_TOP_K
+
+    def __post_init__(self) -> None:
+        check(self.trunk is None or self.trunk in TRUNKS,
+               f"trunk must be one of {TRUNKS}, got {self.trunk!r}")
+        check(self.heads is None or isinstance(self.heads, str), f"heads must be a folder path, got {self.heads!r}")
+        check(is_int(self.branches, 0), f"branches must be an integer >= 0, got {self.branches!r}")
+        check(is_int(self.top_k, 1), f"top_k must be an integer >= 1, got {self.top_k!r}")
 
 
 def hybrid_tree(trunk: list[int], candidates: list[list[int]] | None, branches: int,
@@ -91,11 +116,21 @@ def make_trunk(cfg: SpeculativeConfig, view: EngineView, trunk: TrunkMethod) -> 
     return SelfSpecProposer.from_config(cfg, view, kind="self_spec")
 
 
+@dataclass
+class TrunkState:
+    """One sequence's trunk: its draft length state, the trunk length this step asked for and the one drafted."""
+
+    gamma: GammaState
+    asked: int | None = None
+    drafted: int = 0
+
+
 class HybridProposer(Proposer):
     """A chain drafter's trunk plus Medusa branches, verified as one tree. Invariant: the chain drafter's shadow
     state only ever advances by accepted *trunk* nodes (``on_verified``)."""
 
     name = "hybrid"
+    observes = True  # the heads read the target's hidden state
 
     def __init__(self, chain: ShadowCacheProposer, heads: MedusaProposer, branches: int = DEFAULT_BRANCHES,
                  gamma: DynamicGamma | None = None) -> None:
@@ -106,24 +141,29 @@ class HybridProposer(Proposer):
         self.rescue_rate = RESCUE_PRIOR  # measured: P(a branch is accepted | trunk rejected at a depth with one)
         self.num_rescues = 0
         self._last_trunk = 1
+        self.trunks: dict[str, TrunkState] = {}  # request id -> its trunk
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, view: EngineView) -> HybridProposer:
-        opts = cfg.hybrid
+        opts = cfg.options(HybridOptions)
         # "model" names the trunk's drafter here, so the heads come from "heads" or the shipped folder
-        heads = MedusaProposer.from_config(cfg, view, heads_dir=opts.heads or str(MEDUSA_DIR))
+        heads = MedusaProposer.from_config(cfg, view, heads_dir=opts.heads or str(MEDUSA_DIR),
+                                           opts=MedusaOptions(top_k=opts.top_k))
         chain = make_trunk(cfg, view, opts.trunk or default_trunk(cfg.model))
         chain.argmax_drafts = True  # candidates for the tree walk (see above)
         return cls(chain, heads, opts.branches, DynamicGamma(cfg))
 
     # ---------------------------------------------------------------------------------------- sizing
-    def _state(self, seq: Sequence) -> GammaState:
-        st = seq.draft_state.hybrid_gamma
+    def _trunk(self, seq: Sequence) -> TrunkState:
+        st = self.trunks.get(seq.request_id)
         if st is None:
             assert self.gamma is not None
-            st = seq.draft_state.hybrid_gamma = self.gamma.new_state()
-            st.acceptance_ema = self.chain.acceptance_prior()
+            st = self.trunks[seq.request_id] = TrunkState(self.gamma.new_state())
+            st.gamma.acceptance_ema = self.chain.acceptance_prior()
         return st
+
+    def _state(self, seq: Sequence) -> GammaState:
+        return self._trunk(seq).gamma
 
     def expected_tokens(self, alpha: float, trunk: int) -> float:
         """Chain tokens per step, plus a rescued node where the trunk is first rejected at a depth with branches."""
@@ -145,7 +185,7 @@ class HybridProposer(Proposer):
         if trunk == 0:
             st.acceptance_ema += 0.05 * (self.chain.acceptance_prior() - st.acceptance_ema)  # retry later
             return 0, 1.0
-        seq.draft_state.hybrid_trunk = trunk
+        self._trunk(seq).asked = trunk
         self._last_trunk = trunk
         return min(self.nodes_for(trunk), room), self.expected_tokens(st.acceptance_ema, trunk)
 
@@ -162,8 +202,8 @@ class HybridProposer(Proposer):
 
     # ---------------------------------------------------------------------------------------- drafting
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        trunks = [min(b, b if s.draft_state.hybrid_trunk is None else s.draft_state.hybrid_trunk) if b > 0 else 0
-                  for s, b in zip(seqs, budgets)]
+        asked = [self._trunk(s).asked for s in seqs]
+        trunks = [min(b, b if a is None else a) if b > 0 else 0 for a, b in zip(asked, budgets)]
         chain = self.chain.propose(seqs, trunks)
         rows, hidden = self.heads.fresh_hidden(seqs, budgets)
         cand: dict[int, list[list[int]]] = {}
@@ -173,22 +213,26 @@ class HybridProposer(Proposer):
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
             trunk = list(chain[i].tokens)
             if budget <= 0 or (not trunk and i not in cand):
-                seq.draft_state.hybrid_trunk_len = 0
+                self._trunk(seq).drafted = 0
                 props.append(Proposal([]))
                 continue
             tokens, parents = hybrid_tree(trunk, cand.get(i), self.branches, budget)
-            seq.draft_state.hybrid_trunk_len = min(len(trunk), budget)
+            self._trunk(seq).drafted = min(len(trunk), budget)
             props.append(Proposal(tokens, None, parents))
         return props
 
-    def on_verified(self, seq: Sequence, num_prefix_tokens: int, num_accepted: int) -> None:
-        st = seq.draft_state
-        path = st.accepted_path
-        trunk_len, st.hybrid_trunk_len = st.hybrid_trunk_len, 0
+    def on_verified(self, seq: Sequence, result: Verification) -> None:
+        """The trunk drafter is told its chain's share: the trunk nodes (the first ``drafted``, whose rows are the
+        first of the logits too) and the accepted path's prefix that runs along them."""
+        st = self._trunk(seq)
+        path = result.accepted
+        trunk_len, st.drafted = st.drafted, 0
         on_trunk = 0
         while on_trunk < min(len(path), trunk_len) and path[on_trunk] == on_trunk:
             on_trunk += 1
-        self.chain.on_verified(seq, num_prefix_tokens, on_trunk)
+        self.chain.on_verified(seq, Verification(result.num_prefix_tokens, result.drafts[:trunk_len], None,
+                                                 list(range(on_trunk)), result.committed,
+                                                 result.logits[: trunk_len + 1]))
         if trunk_len:
             assert self.gamma is not None
             self.gamma.update(self._state(seq), trunk_len, on_trunk)
@@ -204,6 +248,14 @@ class HybridProposer(Proposer):
     def release(self, seq: Sequence) -> None:
         self.chain.release(seq)
         self.heads.release(seq)
+        self.trunks.pop(seq.request_id, None)
 
 
-__all__ = ["HybridProposer", "default_trunk", "hybrid_tree", "make_trunk"]
+METHOD = Method(
+    name="hybrid",
+    options=(HybridOptions, DrafterOptions),
+    shared=frozenset({"model", "draft_linear_kernel"}) | CHAIN_KEYS,
+    build=lambda cfg, view, auto: HybridProposer.from_config(cfg, view),
+)
+
+__all__ = ["METHOD", "HybridOptions", "HybridProposer", "TrunkState", "default_trunk", "hybrid_tree", "make_trunk"]

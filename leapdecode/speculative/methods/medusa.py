@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,12 +24,36 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
 from leapdecode.parallel import rank0_value
 from leapdecode.speculative import tree as T
-from leapdecode.speculative.artifacts import MEDUSA_DIR, check_heads_fit, load_heads
+from leapdecode.speculative.artifacts import MEDUSA_DIR, check_heads_fit, load_heads, shipped_heads_for
 from leapdecode.speculative.heads import HeadsProposer, MedusaHeads, ranked_candidates
+from leapdecode.speculative.method import AutoUse, Method
+from leapdecode.speculative.options import check, is_int, is_prob
 from leapdecode.speculative.proposer import EngineView, Proposal, StepCost
 
 DEFAULT_TOP_K = 10  # candidates per depth the tree may draw from (options.MedusaOptions.top_k)
 FALLBACK_NODES = 8  # tree size when neither statistics nor a cost model say otherwise
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """Medusa trees (methods/medusa.py): ``tree_nodes`` fixes the tree size (None: sized by the step-cost model or
+    the artefact); ``top_k`` candidates per depth the tree may draw from; ``typical_acceptance`` (lossy, sampled
+    requests only) with its bar ``min(posterior_threshold, posterior_alpha * exp(-H(p)))``."""
+
+    tree_nodes: int | None = None
+    top_k: int = DEFAULT_TOP_K
+    typical_acceptance: bool = False
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        check(self.tree_nodes is None or is_int(self.tree_nodes, 0),
+               f"tree_nodes must be an integer >= 0, got {self.tree_nodes!r}")
+        check(is_int(self.top_k, 1), f"top_k must be an integer >= 1, got {self.top_k!r}")
+        check(isinstance(self.typical_acceptance, bool),
+               f"typical_acceptance must be true or false, got {self.typical_acceptance!r}")
+        for key in ("posterior_threshold", "posterior_alpha"):
+            check(is_prob(getattr(self, key)), f"{key} must be a number in [0, 1], got {getattr(self, key)!r}")
 
 
 class MedusaProposer(HeadsProposer):
@@ -62,13 +87,14 @@ class MedusaProposer(HeadsProposer):
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, view: EngineView, heads_dir: str | None = None) -> MedusaProposer:
+    def from_config(cls, cfg: SpeculativeConfig, view: EngineView, heads_dir: str | None = None,
+                    opts: MedusaOptions | None = None) -> MedusaProposer:
         """``{"method": "medusa"}`` loads the shipped heads; ``"model": PATH`` (or ``heads_dir``, a hybrid's
-        "heads") others; the config's Medusa options (options.MedusaOptions) size and verify the tree."""
+        "heads") others; the Medusa options (``opts``, else the config's) size and verify the tree."""
         folder = Path(heads_dir or cfg.model or MEDUSA_DIR)
         heads, subset, meta = load_heads(folder)
         weight = check_heads_fit(folder, heads, meta, view.model)
-        opts = cfg.medusa
+        opts = opts or cfg.options(MedusaOptions)
         tree = meta.get("tree") or {}
         typical = (float(opts.posterior_threshold), float(opts.posterior_alpha)) if opts.typical_acceptance else None
         proposer = cls(heads, weight, subset, tree.get("paths"), tree.get("curve"), tree_nodes=opts.tree_nodes,
@@ -152,4 +178,15 @@ class MedusaProposer(HeadsProposer):
         return props
 
 
-__all__ = ["DEFAULT_TOP_K", "MedusaProposer"]
+METHOD = Method(
+    name="medusa",
+    options=(MedusaOptions,),
+    shared=frozenset({"model", "use_cost_model"}),
+    # under auto "model" names a draft model: the shipped heads
+    build=lambda cfg, view, auto: MedusaProposer.from_config(cfg, view, str(MEDUSA_DIR) if auto else None),
+    artefact="medusa",
+    auto=AutoUse("hidden", rank=0, options=(MedusaOptions,),
+                 usable=lambda cfg, target: target is not None and shipped_heads_for(target) is not None),
+)
+
+__all__ = ["DEFAULT_TOP_K", "METHOD", "MedusaOptions", "MedusaProposer"]

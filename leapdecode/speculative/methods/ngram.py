@@ -9,9 +9,21 @@ prompt length (a rescan of a 6k-token prompt every step would cost more than the
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
+from leapdecode.speculative.method import AutoUse, Method
+from leapdecode.speculative.options import CHAIN_KEYS, LOOKUP_KEYS
 from leapdecode.speculative.proposer import Proposal, Proposer
+
+
+@dataclass
+class NgramIndex:
+    """One sequence's index: n-gram -> position after its latest occurrence, for n-grams ending before ``done``."""
+
+    positions: dict[tuple[int, ...], int] = field(default_factory=dict)
+    done: int = 0
 
 
 class NgramProposer(Proposer):
@@ -21,15 +33,16 @@ class NgramProposer(Proposer):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[str, NgramIndex] = {}  # request id -> its index
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig) -> NgramProposer:
         return cls(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def _index(self, seq: Sequence) -> dict[tuple[int, ...], int]:
-        state = seq.draft_state
-        index = state.ngram_index
-        done = state.ngram_done  # n-grams ending before position `done` are indexed
+        state = self.indexes.setdefault(seq.request_id, NgramIndex())
+        index = state.positions
+        done = state.done  # n-grams ending before position `done` are indexed
         toks = seq.token_ids
         # index n-grams that end at positions < len-1: the suffix itself must not match itself
         for end in range(max(done, 1), len(toks)):
@@ -37,7 +50,7 @@ class NgramProposer(Proposer):
                 if end - n < 0:
                     break
                 index[tuple(toks[end - n : end])] = end
-        state.ngram_done = len(toks)
+        state.done = len(toks)
         return index
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
@@ -57,5 +70,16 @@ class NgramProposer(Proposer):
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(s, k) if k > 0 else []) for s, k in zip(seqs, budgets)]
 
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.request_id, None)
 
-__all__ = ["NgramProposer"]
+
+METHOD = Method(
+    name="ngram",
+    options=(),
+    shared=LOOKUP_KEYS | CHAIN_KEYS,
+    build=lambda cfg, view, auto: NgramProposer.from_config(cfg),
+    auto=AutoUse("separate", rank=1, usable=lambda cfg, target: True, tracks_copying=True),
+)
+
+__all__ = ["METHOD", "NgramIndex", "NgramProposer"]

@@ -58,11 +58,13 @@ from leapdecode.speculative.artifacts import (
     shipped_dir,
 )
 from leapdecode.speculative.exit_adapter import ExitAdapter
-from leapdecode.speculative.options import DRAFT_PRECISIONS, DraftPrecision
+from leapdecode.speculative.method import AutoUse, Method
+from leapdecode.speculative.options import CHAIN_KEYS, DRAFT_PRECISIONS, DrafterOptions, DraftPrecision
 from leapdecode.speculative.proposer import EngineView, tensor_bytes
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 DEFAULT_MIN_DRAFT_PROB = 0.3
+ARTEFACT = "self_spec"  # the shipped exit adapter: leapdecode/artifacts/self_spec/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,7 @@ def load_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM, kind: str, sh
                          f"{path} reads {'h_L' if adapter.layer_index else 'tokens only'}")
     if kind != "eagle" and adapter.feature_input:
         raise ValueError(f'{path} is a feature-conditioned draft: run it with the "eagle" method, not "{kind}"')
-    opts = cfg.drafter
+    opts = cfg.options(DrafterOptions)
     min_p = float(opts.min_draft_prob if opts.min_draft_prob is not None
                   else acfg.get("min_draft_prob", DEFAULT_MIN_DRAFT_PROB))
     draft_vocab = int(opts.draft_vocab if opts.draft_vocab is not None else acfg.get("draft_vocab", 0) or 0)
@@ -202,7 +204,7 @@ class SelfSpecProposer(ShadowCacheProposer):
         """The drafter ``load_drafter`` finds for ``kind`` ("self_spec": the exit adapter; "draft_model": a trained
         small draft, an adapter with no shared layers), with the config's drafter options (options.DrafterOptions)."""
         d = load_drafter(cfg, view.model, kind, shipped_only)
-        prop = cls(view, d.adapter, d.min_draft_prob, d.vocab_subset, cfg.drafter.draft_precision)
+        prop = cls(view, d.adapter, d.min_draft_prob, d.vocab_subset, cfg.options(DrafterOptions).draft_precision)
         prop.name = kind
         prop.prior_acceptance = d.prior_acceptance
         return prop
@@ -335,4 +337,15 @@ class SelfSpecProposer(ShadowCacheProposer):
             self.num_shared_tokens, self.num_shared_calls, self.num_adapter_tokens = counters
 
 
-__all__ = ["DEFAULT_MIN_DRAFT_PROB", "LoadedDrafter", "SelfSpecProposer", "load_drafter"]
+METHOD = Method(
+    name="self_spec",
+    options=(DrafterOptions,),
+    shared=frozenset({"model"}) | CHAIN_KEYS,
+    build=lambda cfg, view, auto: SelfSpecProposer.from_config(cfg, view, ARTEFACT, shipped_only=auto),
+    artefact=ARTEFACT,
+    auto=AutoUse("hidden", rank=2, options=(DrafterOptions,),
+                 usable=lambda cfg, target: target is not None and
+                 shipped_adapter_for(target, shipped_dir(ARTEFACT)) is not None),
+)
+
+__all__ = ["DEFAULT_MIN_DRAFT_PROB", "METHOD", "LoadedDrafter", "SelfSpecProposer", "load_drafter"]
