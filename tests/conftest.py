@@ -167,6 +167,38 @@ def assert_no_leaks(llm) -> None:
     assert all(b.ref_count == 0 for b in bm.blocks)
 
 
+def assert_same_distribution(plain, spec, n: int = 300) -> None:
+    """Two-sample chi-square: the last of 4 sampled tokens (temperature 1, top-k 8) over ``n`` seeds from ``plain``
+    (an LLM decoding plainly) and ``spec`` (one speculating, with other seeds) follow one distribution, in a context
+    that holds what the model tends to sample, so prompt lookup and drafts find matches. Drafts must be accepted."""
+    from leapdecode import SamplingParams
+
+    def tokens(llm, prompts, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    base = plain.get_tokenizer().encode("a b c a b c a b")
+    warm = tokens(plain, ["a b c a b c a b"] * 24,
+                  [SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=i, ignore_eos=True) for i in range(24)])
+    prompt = {"prompt_token_ids": [t for w in warm for t in w] + base}
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, seed=1000 + i, ignore_eos=True) for i in range(n)]
+    first = [t[-1] for t in tokens(plain, [prompt] * n, params)]
+    params2 = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, seed=5000 + i, ignore_eos=True) for i in range(n)]
+    outs = spec.generate([prompt] * n, params2, use_tqdm=False)
+    second = [o.outputs[0].token_ids[-1] for o in outs]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    from scipy.stats import chi2_contingency
+
+    vocab = sorted(set(first) | set(second))
+    table = [[first.count(v) for v in vocab], [second.count(v) for v in vocab]]
+    # merge rare categories so expected counts are large enough for the test
+    keep = [i for i in range(len(vocab)) if table[0][i] + table[1][i] >= 10]
+    rare = [i for i in range(len(vocab)) if i not in keep]
+    rows = [[r[i] for i in keep] + [sum(r[i] for i in rare)] for r in table]
+    rows = [[c for c, tot in zip(r, map(sum, zip(*rows))) if tot > 0] for r in rows]
+    assert chi2_contingency(rows).pvalue > 1e-3, rows
+    assert_no_leaks(spec)
+
+
 def save_random_heads(folder: Path, offsets, seed: int, first_head_seed: int) -> Path:
     """Untrained heads for the tiny models, with large random weights so their candidates are arbitrary tokens,
     saved as a heads artefact in ``folder`` (shared by the Medusa and blockwise tests)."""

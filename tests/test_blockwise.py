@@ -72,7 +72,7 @@ def heads_dir(tmp_path_factory) -> Path:
 
 
 def _spec(model: Path, **kw) -> dict:
-    return {"method": "blockwise", "model": str(model), "use_cost_model": False, **kw}
+    return {"method": "blockwise", "model": str(model), **kw}  # its block size never asks the cost model
 
 
 def test_config_mistakes_are_clear_errors(plain, heads_dir, tmp_path):
@@ -230,8 +230,7 @@ def test_shipped_heads_are_lossless_and_accept_on_the_bundled_model(bundled_llm)
              [{"role": "user", "content": "Write a short Python function that reverses a string."}]]
     params = SamplingParams(temperature=0, max_tokens=48)
     want = _ids(bundled_llm.chat(convs, params, use_tqdm=False))
-    spec = LLM.from_engine_of(bundled_llm, speculative_config={"method": "blockwise", "num_speculative_tokens": 4,
-                                                               "use_cost_model": False})
+    spec = LLM.from_engine_of(bundled_llm, speculative_config={"method": "blockwise", "num_speculative_tokens": 4})
     outs = spec.chat(convs, params, use_tqdm=False)
     assert _ids(outs) == want
     steps = sum(o.metrics.num_target_steps for o in outs)

@@ -387,7 +387,7 @@ def test_dynamic_tree_config_errors_and_hybrid_trunk(plain1, near_exact, tmp_pat
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_nodes": 4, "tree_beam": 0})
     with pytest.raises(ValueError, match="tree_min_prob"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", **base, "tree_min_prob": 1.5})
-    with pytest.raises(ValueError, match="needs the eagle method"):
+    with pytest.raises(ValueError, match="option 'tree_nodes' for method 'draft_model' \\(tree_nodes is read by eagle"):
         LLM.from_engine_of(plain1, speculative_config={"method": "draft_model", **base, "tree_nodes": 4})
 
 

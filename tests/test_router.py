@@ -76,7 +76,7 @@ def test_tree_branches_for_given_constraints():
     assert r.candidates == ("draft_model", "ngram") and "minimal change rules out blockwise" in r.departures[0]
     # lossy without blockwise heads: the lossless branch, and the route says why
     r = plan_route("chat", AutoOptions(lossless=False), [f for f in ALL if f.name != "blockwise"])
-    assert r.candidates[0] == "medusa" and "no blockwise heads" in r.departures[0]
+    assert r.candidates[0] == "medusa" and "no lossy drafter fits" in r.departures[0]
     # a memory budget leaves out the drafters over it, each named
     r = plan_route("chat", AutoOptions(memory_budget_mb=25), ALL)
     assert r.candidates == ("medusa", "self_spec", "ngram")

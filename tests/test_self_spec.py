@@ -209,8 +209,7 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
     assert "self_spec" not in auto.engine.speculator.proposers
     monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", adapters["exact"])  # "ship" an adapter for this target
-    auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto", "use_cost_model": False},
-                              kv_cache_blocks=256)
+    auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
     assert set(auto.engine.speculator.proposers) == {"ngram", "self_spec"}
     assert _tokens(auto, PROMPTS, GREEDY) == want
     assert_no_leaks(auto)
