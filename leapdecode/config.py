@@ -207,3 +207,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def engine_default(name: str) -> Any:
+    """``EngineConfig``'s default for the option ``name``: the one place a default is declared (``LLM``, the
+    command lines and ``serve`` read it here)."""
+    return EngineConfig.__dataclass_fields__[name].default

@@ -28,33 +28,19 @@ class LLM:
     ``speculative_config`` turns on a lossless speculative method, e.g. ``{"method": "ngram"}``.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        kv_cache_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        speculative_config: dict[str, Any] | None = None,
-        revision: str | None = None,
-        gguf_file: str | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | None = None, speculative_config: dict[str, Any] | None = None,
+                 revision: str | None = None, gguf_file: str | None = None, **kwargs: Any) -> None:
+        """``kwargs``: any ``EngineConfig`` field (``dtype``, ``device``, ``block_size``, ``kv_cache_blocks``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ...), whose defaults are declared there alone."""
         if model is None and (revision or gguf_file):
             raise ValueError("revision and gguf_file need a Hugging Face repo id as model")
         if model is not None:
             model = model_ref(str(model), revision, gguf_file)  # "org/name@revision:file.gguf"
-        known = set(EngineConfig.__dataclass_fields__)
+        known = set(EngineConfig.__dataclass_fields__) - {"model", "speculative_config"}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-        self.config = EngineConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_blocks=kv_cache_blocks,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            speculative_config=parse_config(speculative_config), **kwargs,
-        )
+        self.config = EngineConfig(model=model, speculative_config=parse_config(speculative_config), **kwargs)
         self.engine = LLMEngine(self.config, drafting=Speculator)
 
     @classmethod

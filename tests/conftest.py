@@ -201,7 +201,7 @@ def assert_same_distribution(plain, spec, n: int = 300) -> None:
 
 def save_random_heads(folder: Path, offsets, seed: int, first_head_seed: int) -> Path:
     """Untrained heads for the tiny models, with large random weights so their candidates are arbitrary tokens,
-    saved as a heads artefact in ``folder`` (shared by the Medusa and blockwise tests)."""
+    saved as a heads artifact in ``folder`` (shared by the Medusa and blockwise tests)."""
     from leapdecode.speculative.artifacts import save_heads
     from leapdecode.speculative.heads import MedusaHeads
 

@@ -1,5 +1,5 @@
-"""The one artefact format (speculative/artifacts.py) and training checkpoints (train/loop.py): round trips,
-older folders still load, and a damaged artefact or checkpoint is a clear error, never an unpickling traceback."""
+"""The one artifact format (speculative/artifacts.py) and training checkpoints (train/loop.py): round trips,
+the formats before it refused, and a damaged artifact or checkpoint is a clear error, never an unpickling traceback."""
 
 from __future__ import annotations
 
@@ -25,35 +25,42 @@ from leapdecode.train import loop
 from leapdecode.train.data import CachedArray, HiddenCache, fill_caches
 
 
-def test_heads_and_adapters_share_one_format_and_older_folders_still_load(tmp_path, tiny_model_dir):
+def test_heads_and_adapters_share_one_format_and_older_folders_are_refused(tmp_path, tiny_model_dir):
     heads = MedusaHeads(64, PYRAMID)
     heads.init_weights(seed=1, std=0.1)
     save_heads(tmp_path / "heads", heads, None, {"vocab_size": 100}, record={"command": "x", "seed": 0})
     cfg = json.loads((tmp_path / "heads" / "config.json").read_text())
     assert cfg["type"] == HEADS_TYPE and read_record(tmp_path / "heads")["command"] == "x"
-    # a folder in the format before this one: "format" instead of "type", recipe.json instead of record.json
+    loaded, _, _ = load_heads(tmp_path / "heads")
+    assert torch.allclose(loaded.weight, heads.weight.half().float())
+    # the format before this one ("format" instead of "type", recipe.json instead of record.json) is gone: every
+    # shipped artifact uses the current one, and an old folder is a clear error, not a half-read one
     old = tmp_path / "old_heads"
     old.mkdir()
     del cfg["type"]
     (old / "config.json").write_text(json.dumps({"format": "leapdecode-medusa-v1", **cfg}))
     (old / "heads.safetensors").write_bytes((tmp_path / "heads" / "heads.safetensors").read_bytes())
     (old / "recipe.json").write_text(json.dumps({"seed": 7}))
-    loaded, _, _ = load_heads(old)
-    assert torch.allclose(loaded.weight, heads.weight.half().float()) and read_record(old)["seed"] == 7
+    with pytest.raises(ValueError):
+        load_heads(old)
+    with pytest.raises(FileNotFoundError, match="record.json"):
+        read_record(old)
 
     model, _ = load_model(tiny_model_dir)
     adapter = ExitAdapter.from_target(model, 1, "next", 1)
     save_adapter(adapter, tmp_path / "adapter", model, {"min_draft_prob": 0.2})
     acfg = json.loads((tmp_path / "adapter" / "config.json").read_text())
     assert acfg["type"] == ADAPTER_TYPE
-    acfg["type"] = "leapdecode.self_spec.exit_adapter"  # the older spelling of the same kind
-    (tmp_path / "adapter" / "config.json").write_text(json.dumps(acfg))
     again, cfg2, _ = load_adapter(tmp_path / "adapter", model)
     assert cfg2["min_draft_prob"] == 0.2
     assert all(torch.equal(a, b) for a, b in zip(adapter.state_dict().values(), again.state_dict().values()))
+    acfg["type"] = "leapdecode.self_spec.exit_adapter"  # the older spelling of the same kind: refused
+    (tmp_path / "adapter" / "config.json").write_text(json.dumps(acfg))
+    with pytest.raises(ValueError):
+        load_adapter(tmp_path / "adapter", model)
 
 
-def test_a_damaged_artefact_is_a_clear_error(tmp_path, tiny_model_dir):
+def test_a_damaged_artifact_is_a_clear_error(tmp_path, tiny_model_dir):
     heads = MedusaHeads(64, PYRAMID)
     save_heads(tmp_path / "h", heads, None, {"vocab_size": 100})
     (tmp_path / "h" / "heads.safetensors").write_bytes(b"not safetensors at all")

@@ -147,7 +147,7 @@ class OracleBlocks(BlockwiseProposer):
 def _oracle_llm(plain: LLM, settings: BlockwiseSettings) -> LLM:
     llm = LLM.from_engine_of(plain, block_size=4)
     cfg = SpeculativeConfig(method="blockwise", use_cost_model=False, num_speculative_tokens=settings.k)
-    llm.engine.speculator = Speculator(llm.engine, cfg, OracleBlocks(plain, settings))
+    llm.engine.speculator = Speculator(llm.engine.drafting_view(), cfg, OracleBlocks(plain, settings))
     return llm
 
 

@@ -18,19 +18,22 @@ def test_every_subcommand_has_help(cmd, capsys):
     assert "usage: leapdecode" in capsys.readouterr().out
 
 
-def test_train_eagle_is_train_draft_with_features():
-    """One name per technique: `leapdecode train eagle` trains what `train draft --features` trains, and its
-    record's command says so."""
+def test_one_train_command_per_technique():
+    """One name per technique: `train eagle` is the adapter trainer with feature inputs (no `--features` flag on
+    `train draft-model`), `train blockwise` the heads trainer with one head per offset; records say the command."""
     from leapdecode.train.adapter import command_line
 
     p = build_parser()
     eagle = vars(p.parse_args(["train", "eagle", "--data", "D"]))
-    draft = vars(p.parse_args(["train", "draft", "--features", "--layers", "1", "--data", "D"]))
-    assert eagle["features"] is True and eagle["layer"] == 0
-    assert {k: v for k, v in eagle.items() if k != "train_command"} == \
-        {k: v for k, v in draft.items() if k != "train_command"}
+    draft = vars(p.parse_args(["train", "draft-model", "--layers", "1", "--data", "D"]))
+    assert eagle["features"] is True and eagle["layer"] == 0 and draft["features"] is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["train", "draft-model", "--features", "--data", "D"])
     line = command_line(p.parse_args(["train", "eagle", "--data", "D"]))
     assert line.startswith("leapdecode train eagle --layers 1 ") and "--features" not in line
+    blockwise = vars(p.parse_args(["train", "blockwise", "--data", "D", "--out", "O"]))
+    medusa = vars(p.parse_args(["train", "medusa", "--data", "D", "--out", "O"]))
+    assert blockwise["layout"] == "one-per-offset" and medusa["layout"] == "pyramid"
 
 
 def test_generate_json(tiny_model_dir, capsys):

@@ -93,7 +93,7 @@ def test_candidates_are_distinct_masked_argmaxes_then_first_heads_ranking():
     assert torch.equal(cand[:, 1], p.topk(4).indices)
 
 
-def test_artefact_round_trip_and_model_checks(tmp_path, random_heads, tiny_model_dir, plain):
+def test_artifact_round_trip_and_model_checks(tmp_path, random_heads, tiny_model_dir, plain):
     heads, subset, meta = load_heads(random_heads)
     assert subset is None and meta["offsets"] == list(PYRAMID)
     ref = MedusaHeads(64, PYRAMID)
@@ -187,7 +187,8 @@ def test_oracle_trees_are_lossless_with_kv_compaction(plain, tiny_model_dir, mod
     spec = LLM.from_engine_of(plain, speculative_config={"method": "ngram", "use_cost_model": False},
                               block_size=4)
     eng = spec.engine
-    eng.speculator = Speculator(eng, SpeculativeConfig(method="ngram", use_cost_model=False), OracleTrees(futures))
+    eng.speculator = Speculator(eng.drafting_view(), SpeculativeConfig(method="ngram", use_cost_model=False),
+                                OracleTrees(futures))
     outs = spec.generate(PROMPTS, plist, use_tqdm=False)
     assert _ids(outs) == _ids(base)
     assert min(o.metrics.mean_accepted_tokens for o in outs) > 2.0

@@ -4,7 +4,7 @@ Every family's tiny random model (tests/family_models.py) has a sliding window o
 prompts here cross it several times; logits of every position must match HF's forward, with the model run op by op
 and on the CPU kernels (packed projections, C++ norms and few-row attention, the fused layer stack where the layer
 has Llama's layout). The engine then decodes greedily, plainly and with every speculative method that needs no
-trained artefact, with prefix caching across the window edge: the tokens must be HF's greedy tokens.
+trained artifact, with prefix caching across the window edge: the tokens must be HF's greedy tokens.
 """
 
 from __future__ import annotations

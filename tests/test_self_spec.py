@@ -253,7 +253,7 @@ def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, 
     assert 0.0 <= hist[-1]["agree"] <= 1.0 and "agree_subset_head" in hist[-1]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["layer"] == 2 and cfg["loss_vocab"] == 4096
-    # the artefact drives self-speculation, also with the ranked-vocabulary head
+    # the artifact drives self-speculation, also with the ranked-vocabulary head
     for extra in ({}, {"draft_vocab": 4096}):
         spec = _spec_llm(plain4, out, **extra)
         assert _tokens(spec, PROMPTS, GREEDY) == want
@@ -263,17 +263,17 @@ def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, 
 
 def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny4, plain4, want, tmp_path,
                                                                              monkeypatch):
-    """`leapdecode train draft`: N layers over the target's own embedding with its norm and LM head (an adapter
-    with no shared layers) lowers its loss and writes an artefact that `draft_model` drafts with -- by path, and
+    """`leapdecode train draft-model`: N layers over the target's own embedding with its norm and LM head (an adapter
+    with no shared layers) lowers its loss and writes an artifact that `draft_model` drafts with -- by path, and
     without one when it is the shipped draft -- token-identical to plain decoding, capturing nothing but the
     embeddings from the target's passes."""
     data = distill_tiny(tiny4, tmp_path, ["cats", "rivers", "clocks", "bread", "snow", "maps"])
     out = tmp_path / "draft"
-    assert main(["train", "draft", "--data", str(data), "--layers", "2", "--model", str(tiny4), "--out", str(out),
+    assert main(["train", "draft-model", "--data", str(data), "--layers", "2", "--model", str(tiny4), "--out", str(out),
                  "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25", "--lr", "3e-3",
                  "--warmup", "2", "--epochs", "3", "--no-estimate"]) == 0
     rec = json.loads((out / "record.json").read_text())
-    assert rec["command"].startswith("leapdecode train draft --layers 2 ")
+    assert rec["command"].startswith("leapdecode train draft-model --layers 2 ")
     hist = rec["history"]
     assert hist[-1]["train_loss"] < hist[1]["train_loss"] and min(h["val_loss"] for h in hist[1:]) < hist[0]["val_loss"]
     cfg = json.loads((out / "config.json").read_text())
@@ -292,5 +292,5 @@ def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny
                                  kv_cache_blocks=256)
     assert shipped.engine.speculator.proposer.adapter.num_layers == 2
     monkeypatch.setattr(artifacts, "DRAFT_DIR", tmp_path / "none")
-    with pytest.raises(ValueError, match="train draft"):
+    with pytest.raises(ValueError, match="train draft-model"):
         LLM.from_engine_of(plain4, speculative_config={"method": "draft_model"})

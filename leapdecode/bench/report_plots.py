@@ -6,18 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the file-only backend; matplotlib is an optional dependency (the ``plots`` extra),
-    imported here so the rest of the CLI runs without it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("--report draws plots with matplotlib: pip install 'leapdecode[plots]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from leapdecode.eval.plotting import pyplot
 
 
 def _save(fig: Any, path: Path) -> None:

@@ -1,5 +1,6 @@
-"""What the engine needs of speculative decoding: the ``Drafting`` object it calls in each step, and the factory that
-builds one (``leapdecode.speculative.speculator.Speculator``).
+"""What the engine and speculative decoding see of each other: the ``Drafting`` object the engine calls in each step,
+the factory that builds one (``leapdecode.speculative.speculator.Speculator``) and the ``EngineView`` it is built
+from.
 
 Whoever builds the engine hands it the factory (``LLM`` does): the engine imports nothing of the speculative
 package, whose drafters read the engine's parts (sequences, the KV cache, the runner), so the arrows between the
@@ -8,14 +9,49 @@ two folders run one way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from leapdecode.config import SpeculativeConfig
-from leapdecode.engine.model_runner import ForwardItem, ForwardResult
+from leapdecode.engine.block_manager import BlockManager
+from leapdecode.engine.kv_cache import KVCache
+from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
 from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
+from leapdecode.models.llama import LlamaForCausalLM
+
+
+class PackLinears(Protocol):
+    """The engine's ``pack_linears``: give a module the engine's few-row linear kernel; returns layers packed."""
+
+    def __call__(self, model: torch.nn.Module, linear_kernel: str | None = None, quantize_q8: bool = False) -> int: ...
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What speculative decoding may see of the engine: the target, its cache and runner, and a few settings. The
+    engine builds it (``LLMEngine.drafting_view``) and hands it to the speculator, which hands it to the
+    proposers: none of them gets the engine itself, so what they depend on is named here (and nothing can reach
+    the scheduler's or the server's state by accident)."""
+
+    model: LlamaForCausalLM
+    model_path: Path | None
+    tokenizer: Any  # a transformers tokenizer, or None for a model given without one
+    runner: ModelRunner
+    kv_cache: KVCache
+    block_manager: BlockManager
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    generator: torch.Generator  # the engine's stream, for unseeded requests
+    num_packed_linears: int  # target layers on the few-row kernel (0: torch ops)
+    pack_linears: PackLinears
+    running: Callable[[], list[Sequence]]  # the sequences the scheduler runs now
 
 
 class Drafting(Protocol):
@@ -63,9 +99,9 @@ class Drafting(Protocol):
 class DraftingFactory(Protocol):
     """Builds an engine's ``Drafting`` (``Speculator``), and checks a config dict the engine is handed later."""
 
-    def __call__(self, engine: Any, cfg: SpeculativeConfig) -> Drafting: ...
+    def __call__(self, view: EngineView, cfg: SpeculativeConfig) -> Drafting: ...
 
     def parse(self, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None: ...
 
 
-__all__ = ["Drafting", "DraftingFactory"]
+__all__ = ["Drafting", "DraftingFactory", "EngineView", "PackLinears"]

@@ -36,10 +36,9 @@ import torch.multiprocessing as mp
 
 from leapdecode import parallel
 from leapdecode.config import EngineConfig
-from leapdecode.engine.worker import EngineFactory, run_worker, step_digest
+from leapdecode.engine.worker import Command, EngineFactory, run_worker, step_digest
 from leapdecode.outputs import RequestOutput
 
-Command = tuple[Any, ...]
 # one thread at a time waits for (reaps) workers: a process reaped by one thread reads as still running (exit code
 # None) to another that waits on it at the same moment
 _REAP_LOCK = threading.RLock()
@@ -176,7 +175,7 @@ class Executor:
 
     # -------------------------------------------------------------------------------------------- steps
     def queue(self, command: Command) -> None:
-        """A request change (``("add", ...)``, ``("abort", id)``) for the workers, sent with the next step."""
+        """A request change (``AddRequest``, ``AbortRequest``) for the workers, sent with the next step."""
         self.pending.append(command)
 
     def start_step(self) -> None:

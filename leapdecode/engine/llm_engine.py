@@ -17,13 +17,14 @@ from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.detokenizer import IncrementalDetokenizer
-from leapdecode.engine.drafting import Drafting, DraftingFactory
+from leapdecode.engine.drafting import Drafting, DraftingFactory, EngineView
 from leapdecode.engine.executor import Executor, start_tensor_parallel
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
 from leapdecode.engine.scheduler import Scheduler
 from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
 from leapdecode.layers import small_gemm
 from leapdecode.layers.sampler import (
     RowContext,
@@ -156,7 +157,7 @@ class LLMEngine:
         self.speculator: Drafting | None = None
         if config.speculative_config is not None:
             with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
-                self.speculator = self._drafting()(self, config.speculative_config)
+                self.speculator = self._drafting()(self.drafting_view(), config.speculative_config)
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """The KV blocks the scheduler plans over: the configured count, or what the memory affords; the same on
@@ -243,7 +244,7 @@ class LLMEngine:
             seq.group = seqs
             seqs.append(seq)
         if self.executor is not None:  # only a request rank 0 accepted (a grammar that does not compile raises above)
-            self.executor.queue(("add", prompt_token_ids, params, request_id, prompt))
+            self.executor.queue(AddRequest(prompt_token_ids, params, request_id, prompt))
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -261,7 +262,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         seqs = self.requests.pop(request_id, [])
         if seqs and self.executor is not None:
-            self.executor.queue(("abort", request_id))
+            self.executor.queue(AbortRequest(request_id))
         for seq in seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -319,7 +320,7 @@ class LLMEngine:
             with self.scope():
                 self._set_speculator(cfg)
             return
-        ex.apply_now(("speculative", cfg))
+        ex.apply_now(SetSpeculative(cfg))
         try:
             self._set_speculator(cfg)
         except BaseException as e:  # the workers may be waiting in a collective rank 0 will not enter
@@ -335,7 +336,14 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         if cfg is not None:
             with parallel.replicated():
-                self.speculator = self._drafting()(self, cfg)
+                self.speculator = self._drafting()(self.drafting_view(), cfg)
+
+    def drafting_view(self) -> EngineView:
+        """What speculative decoding may see of this engine (engine/drafting.py)."""
+        return EngineView(self.model, self.model_path, self.tokenizer, self.runner, self.kv_cache, self.block_manager,
+                          self.config.block_size, self.config.torch_dtype, self.device, self.max_model_len,
+                          self.generator, self.num_packed_linears, self.pack_linears,
+                          lambda: list(self.scheduler.running))
 
     def _drafting(self) -> DraftingFactory:
         if self.drafting is None:

@@ -16,6 +16,7 @@ import threading
 import traceback
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -47,6 +48,34 @@ class WorkerEngine(Protocol):
 
 
 EngineFactory = Callable[[EngineConfig], WorkerEngine]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Rank 0 added a request: every rank adds it with the same id."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Rank 0 aborted a request."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SetSpeculative:
+    """Rank 0 switched speculative decoding (None: plain decoding)."""
+
+    cfg: SpeculativeConfig | None
+
+
+# one change rank 0 made to its engine, for every worker to make to its own
+Command = AddRequest | AbortRequest | SetSpeculative
 
 
 def step_digest(outputs: list[RequestOutput]) -> int:
@@ -125,13 +154,13 @@ def serve(engine: WorkerEngine, conn: Connection, rank: int) -> None:
             steps += 1
 
 
-def apply(engine: WorkerEngine, cmd: tuple) -> None:
+def apply(engine: WorkerEngine, cmd: Command) -> None:
     """One change rank 0 made to its engine, made to this one."""
-    if cmd[0] == "add":
-        engine.add_request(*cmd[1:])
-    elif cmd[0] == "abort":
-        engine.abort_request(cmd[1])
-    elif cmd[0] == "speculative":
-        engine.set_speculative_config(cmd[1])
+    if isinstance(cmd, AddRequest):
+        engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.prompt)
+    elif isinstance(cmd, AbortRequest):
+        engine.abort_request(cmd.request_id)
+    elif isinstance(cmd, SetSpeculative):
+        engine.set_speculative_config(cmd.cfg)
     else:
-        raise ValueError(f"unknown command from rank 0: {cmd[0]!r}")
+        raise ValueError(f"unknown command from rank 0: {cmd!r}")

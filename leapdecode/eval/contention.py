@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from leapdecode.bench.report_plots import pyplot
+from leapdecode.eval.plotting import pyplot
 
 WAIT_ENV = {
     "leapdecode": {},  # leapdecode's own default: OpenMP's waits, the thread count tuned per step (ThreadTuner)

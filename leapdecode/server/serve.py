@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leapdecode.cli_args import EPILOG, add_model_args
-from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS
+from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
 from leapdecode.models.loader import resolve_model
 from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from leapdecode.server.request_ids import RequestIdFilter
@@ -189,10 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options ``serve`` exposes (vLLM's names)."""
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests batched together (default: 64)")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens one engine step may process (default: 512)"
-    )
+    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"),
+                   help="requests batched together (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"),
+                   help="tokens one engine step may process (default: %(default)s)")
     p.add_argument(
         "--kv-cache-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)"
     )

@@ -1,6 +1,6 @@
-"""Trained drafters on disk: one artefact format for every kind, saving, loading, fingerprints and the shipped ones.
+"""Trained drafters on disk: one artifact format for every kind, saving, loading, fingerprints and the shipped ones.
 
-An artefact is a folder with
+An artifact is a folder with
 
 - ``config.json``: ``"type"`` (what it holds: ``ADAPTER_TYPE`` or ``HEADS_TYPE``), the shapes it needs of its
   target, a fingerprint of the target it was trained on, held-out validation, and the method's own settings;
@@ -8,12 +8,11 @@ An artefact is a folder with
 - ``record.json``: how it was made (the exact command, data digest and manifest, seed, history, timings).
 
 Two kinds: an *exit adapter* (``ExitAdapter``: self_spec's exit, a trained small draft, EAGLE's feature draft)
-and *heads* (``MedusaHeads``: Medusa trees, blockwise chains, a hybrid's branches). Folders written before this
-format (adapters typed ``leapdecode.self_spec.exit_adapter``, heads with ``"format": "leapdecode-medusa-v1"`` and
-a ``recipe.json``) still load.
+and *heads* (``MedusaHeads``: Medusa trees, blockwise chains, a hybrid's branches). Folders in the format before
+this one are refused with an error that says to retrain (every shipped artifact uses this one).
 
-The package ships one artefact per method for the bundled SmolLM2-135M-Instruct under ``leapdecode/artifacts/``;
-a shipped artefact is only offered (``auto``, a method without ``"model"``) to the target it was trained on.
+The package ships one artifact per method for the bundled SmolLM2-135M-Instruct under ``leapdecode/artifacts/``;
+a shipped artifact is only offered (``auto``, a method without ``"model"``) to the target it was trained on.
 """
 
 from __future__ import annotations
@@ -34,13 +33,13 @@ from leapdecode.speculative.heads import MedusaHeads
 
 ARTIFACTS_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
 SELF_SPEC_DIR = ARTIFACTS_ROOT / "self_spec"  # the exit adapter (``leapdecode train self-spec``)
-DRAFT_DIR = ARTIFACTS_ROOT / "draft"  # the small draft: an adapter with L = 0 (``leapdecode train draft``)
+DRAFT_DIR = ARTIFACTS_ROOT / "draft_model"  # the small draft: an adapter with L = 0 (``leapdecode train draft-model``)
 EAGLE_DIR = ARTIFACTS_ROOT / "eagle"  # the feature-conditioned draft (``leapdecode train eagle``)
 MEDUSA_DIR = ARTIFACTS_ROOT / "medusa"  # pyramid heads (``leapdecode train medusa``)
-BLOCKWISE_DIR = ARTIFACTS_ROOT / "blockwise"  # one head per offset (``leapdecode train medusa --layout 1,..,k``)
+BLOCKWISE_DIR = ARTIFACTS_ROOT / "blockwise"  # one head per offset (``leapdecode train blockwise``)
 # per kind of adapter drafter, the command that trains one
-TRAIN_COMMANDS = {"self_spec": "`leapdecode train self-spec`", "draft_model": "`leapdecode train draft`",
-                  "eagle": "`leapdecode train eagle` (or `leapdecode train draft --features`)"}
+TRAIN_COMMANDS = {"self_spec": "`leapdecode train self-spec`", "draft_model": "`leapdecode train draft-model`",
+                  "eagle": "`leapdecode train eagle`"}
 
 CONFIG_FILE = "config.json"
 RECORD_FILE = "record.json"
@@ -48,10 +47,6 @@ ADAPTER_WEIGHTS = "adapter.safetensors"
 HEADS_WEIGHTS = "heads.safetensors"
 ADAPTER_TYPE = "leapdecode.exit_adapter"
 HEADS_TYPE = "leapdecode.medusa_heads"
-# what older folders say instead of the type above (still read)
-LEGACY_ADAPTER_TYPES = ("leapdecode.self_spec.exit_adapter",)
-LEGACY_HEADS_FORMAT = "leapdecode-medusa-v1"
-LEGACY_RECORD_FILE = "recipe.json"
 # the target's architecture fields an adapter must match to run on it
 ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
@@ -65,7 +60,7 @@ def shipped_dir(kind: str) -> Path:
 # --------------------------------------------------------------------------------------------- the format
 def write_artifact(folder: str | Path, kind: str, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                    record: dict[str, Any] | None = None) -> Path:
-    """Write one artefact folder: the weights, ``config.json`` with its ``type`` first, and ``record.json``."""
+    """Write one artifact folder: the weights, ``config.json`` with its ``type`` first, and ``record.json``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights = ADAPTER_WEIGHTS if kind == ADAPTER_TYPE else HEADS_WEIGHTS
@@ -81,11 +76,10 @@ def write_record(folder: str | Path, record: dict[str, Any]) -> None:
 
 
 def read_record(folder: str | Path) -> dict[str, Any]:
-    """How the artefact in ``folder`` was made (``record.json``, or an older folder's ``recipe.json``)."""
-    for name in (RECORD_FILE, LEGACY_RECORD_FILE):
-        path = Path(folder) / name
-        if path.is_file():
-            return _read_json(path)
+    """How the artifact in ``folder`` was made (``record.json``)."""
+    path = Path(folder) / RECORD_FILE
+    if path.is_file():
+        return _read_json(path)
     raise FileNotFoundError(f"{folder} has no {RECORD_FILE}")
 
 
@@ -93,7 +87,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}); retrain or restore the artefact") from None
+        raise ValueError(f"{path} is not readable JSON ({e}); retrain or restore the artifact") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -103,17 +97,13 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise ValueError(f"{path} is not a readable safetensors file ({e}); retrain or restore the artefact") from None
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); retrain or restore the artifact") from None
 
 
 def artifact_type(cfg: dict[str, Any]) -> str | None:
-    """The kind a config says it holds, older spellings mapped to the current ones."""
+    """The kind a config says it holds (``ADAPTER_TYPE`` or ``HEADS_TYPE``; None: not an artifact's config)."""
     t = cfg.get("type")
-    if t in LEGACY_ADAPTER_TYPES:
-        return ADAPTER_TYPE
-    if t is None and cfg.get("format") == LEGACY_HEADS_FORMAT:
-        return HEADS_TYPE
-    return t
+    return t if isinstance(t, str) else None
 
 
 # ------------------------------------------------------------------------------------------- fingerprints
@@ -146,7 +136,7 @@ def arch_of(cfg: ModelConfig) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------- adapters
 def save_adapter(adapter: ExitAdapter, folder: str | Path, target: LlamaForCausalLM, extra: dict[str, Any],
                  vocab_ranked: torch.Tensor | None = None) -> Path:
-    """Write an adapter artefact (weights in the engine's fused layout, plus the frequency-ranked vocabulary if
+    """Write an adapter artifact (weights in the engine's fused layout, plus the frequency-ranked vocabulary if
     given); returns the folder."""
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.state_dict().items()}
     if vocab_ranked is not None:
@@ -175,12 +165,12 @@ def read_adapter_config(folder: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a self_spec exit adapter (type {cfg.get('type')!r})")
     for key in ("layer", "arch"):
         if key not in cfg:
-            raise ValueError(f"{path} lacks {key!r}: the artefact is incomplete; retrain it")
+            raise ValueError(f"{path} lacks {key!r}: the artifact is incomplete; retrain it")
     return cfg
 
 
 def is_adapter_folder(path: str | Path) -> bool:
-    """Whether ``path`` holds a drafter written by ``leapdecode train self-spec`` / ``train draft``."""
+    """Whether ``path`` holds a drafter written by ``leapdecode train self-spec`` / ``train draft-model``."""
     try:
         read_adapter_config(path)
         return True
@@ -257,7 +247,7 @@ def save_heads(
     record: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float16,
 ) -> None:
-    """Write a heads artefact (fp16 weights keep the shipped pyramid at ~6.6 MB for d = 576)."""
+    """Write a heads artifact (fp16 weights keep the shipped pyramid at ~6.6 MB for d = 576)."""
     tensors = {"weight": heads.weight.detach().to(dtype).contiguous(), "bias": heads.bias.detach().to(dtype)}
     if vocab_subset is not None:
         tensors["vocab_subset"] = vocab_subset.to(torch.int32).contiguous()
@@ -274,15 +264,15 @@ def read_heads_config(folder: str | Path) -> dict[str, Any]:
         )
     cfg = _read_json(folder / CONFIG_FILE)
     if artifact_type(cfg) != HEADS_TYPE:
-        raise ValueError(f"{folder}/{CONFIG_FILE} is not a {HEADS_TYPE} artefact (type={cfg.get('type')!r})")
+        raise ValueError(f"{folder}/{CONFIG_FILE} is not a {HEADS_TYPE} artifact (type={cfg.get('type')!r})")
     for key in ("hidden_size", "offsets"):
         if key not in cfg:
-            raise ValueError(f"{folder}/{CONFIG_FILE} lacks {key!r}: the artefact is incomplete; retrain it")
+            raise ValueError(f"{folder}/{CONFIG_FILE} lacks {key!r}: the artifact is incomplete; retrain it")
     return cfg
 
 
 def load_heads(folder: str | Path) -> tuple[MedusaHeads, torch.Tensor | None, dict[str, Any]]:
-    """(heads in float32, vocab subset ids or None, config dict) from an artefact folder."""
+    """(heads in float32, vocab subset ids or None, config dict) from an artifact folder."""
     cfg = read_heads_config(folder)
     t = _load_tensors(Path(folder) / HEADS_WEIGHTS)
     heads = MedusaHeads(cfg["hidden_size"], cfg["offsets"], cfg.get("diversity", "exclude"))

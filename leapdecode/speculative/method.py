@@ -18,7 +18,7 @@ from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.speculative.proposer import EngineView, Proposer
 
 # (config, view, under_auto) -> the method's proposer. Under ``auto`` the config is auto's: "model" names a draft
-# model there, so a method that reads a trained artefact takes its shipped one
+# model there, so a method that reads a trained artifact takes its shipped one
 Factory = Callable[[SpeculativeConfig, EngineView, bool], Proposer]
 # the branches of auto's decision tree (router.py) a method can sit on: "separate" drafters leave the target
 # untouched (the "minimal change" branch), "hidden" ones read the target's hidden states (the Medusa family),
@@ -33,7 +33,7 @@ class AutoUse:
 
     ``branch``: where it sits in the router's decision tree; ``rank``: its preference on that branch (lowest
     first); ``usable(config, target)``: whether auto can build it here without further arguments (a shipped
-    artefact trained for this target, say); ``options``: the option groups it reads when auto builds it (auto's
+    artifact trained for this target, say); ``options``: the option groups it reads when auto builds it (auto's
     config accepts their keys); ``tracks_copying``: its acceptance is the share of text that repeats earlier text
     (prompt lookup), so the router's copy detector sets its estimate when a request switches domain."""
 
@@ -51,7 +51,7 @@ class Method:
     ``name``: the value of ``"method"``; ``options``: its typed option groups (frozen dataclasses; their fields are
     the keys it takes besides the shared ones); ``shared``: the keys of ``SpeculativeConfig`` itself that it reads
     (``config.SHARED_KEYS``; every other shared key is refused for it); ``build``: its proposer's factory;
-    ``artefact``: the kind of trained artefact it loads (its folder under ``leapdecode/artifacts/``; None: it
+    ``artifact``: the kind of trained artifact it loads (its folder under ``leapdecode/artifacts/``; None: it
     needs none); ``auto``: how ``auto`` may use it (None: never); ``bench``: further labelled configurations
     ``leapdecode bench`` offers beside ``{"method": name}`` (e.g. a tree variant), and ``lossy_bench`` those whose
     output may differ from plain decoding (the report measures their quality)."""
@@ -60,7 +60,7 @@ class Method:
     options: tuple[type, ...]
     shared: frozenset[str]
     build: Factory
-    artefact: str | None = None
+    artifact: str | None = None
     auto: AutoUse | None = None
     bench: Mapping[str, dict] = field(default_factory=dict)
     lossy_bench: Mapping[str, dict] = field(default_factory=dict)

@@ -49,9 +49,9 @@ def group_keys(group: type) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """Trained drafters (self_spec, a trained draft_model, eagle; a hybrid's trunk). ``None``: the artefact's
+    """Trained drafters (self_spec, a trained draft_model, eagle; a hybrid's trunk). ``None``: the artifact's
     value. ``min_draft_prob``: stop a chain when the draft's top probability falls below it (default 0.3);
-    ``draft_vocab``: score only the N most frequent tokens of the artefact's ranked vocabulary (0 = the whole LM
+    ``draft_vocab``: score only the N most frequent tokens of the artifact's ranked vocabulary (0 = the whole LM
     head); ``draft_precision``: the drafter's own layers as Q8_0 with int8 activations on a CPU, or float32."""
 
     min_draft_prob: float | None = None

@@ -33,53 +33,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from leapdecode.engine.block_manager import BlockManager
-from leapdecode.engine.kv_cache import KVCache
-from leapdecode.engine.model_runner import ModelRunner
+from leapdecode.engine.drafting import EngineView
 from leapdecode.engine.sequence import Sequence
-from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.speculative.state import PRIOR_ACCEPTANCE
-
-
-class PackLinears(Protocol):
-    """The engine's ``pack_linears``: give a module the engine's few-row linear kernel; returns layers packed."""
-
-    def __call__(self, model: torch.nn.Module, linear_kernel: str | None = None, quantize_q8: bool = False) -> int: ...
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """What a drafter may see of the engine: the target, its cache and runner, and a few settings. Proposers get
-    this instead of the engine itself, so what they depend on is named here (and nothing can reach the
-    scheduler's or the server's state by accident)."""
-
-    model: LlamaForCausalLM
-    model_path: Path | None
-    tokenizer: Any  # a transformers tokenizer, or None for a model given without one
-    runner: ModelRunner
-    kv_cache: KVCache
-    block_manager: BlockManager
-    block_size: int
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
-    generator: torch.Generator  # the engine's stream, for unseeded requests
-    num_packed_linears: int  # target layers on the few-row kernel (0: torch ops)
-    pack_linears: PackLinears
-    running: Callable[[], list[Sequence]]  # the sequences the scheduler runs now
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineView:
-        """The view of an ``LLMEngine`` (typed ``Any`` here: the engine imports this package, not the reverse)."""
-        return cls(engine.model, engine.model_path, engine.tokenizer, engine.runner, engine.kv_cache,
-                   engine.block_manager, engine.config.block_size, engine.config.torch_dtype, engine.device,
-                   engine.max_model_len, engine.generator, engine.num_packed_linears, engine.pack_linears,
-                   lambda: list(engine.scheduler.running))
 
 
 @dataclass(frozen=True)
@@ -146,7 +106,7 @@ class Proposer(ABC):
     #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
     #: how fast this machine happened to be when the cost model was calibrated)
     fixed_budget: bool = False
-    #: per-token acceptance measured for this drafter on held-out data (a trained artefact's validation), or None;
+    #: per-token acceptance measured for this drafter on held-out data (a trained artifact's validation), or None;
     #: the speculator starts each sequence's estimate there instead of an optimistic default, and ``auto`` drops
     #: a drafter whose measured acceptance cannot pay for its step cost on this machine
     prior_acceptance: float | None = None

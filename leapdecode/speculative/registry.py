@@ -116,7 +116,7 @@ def parse_config(d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeCon
 # ---------------------------------------------------------------------------------------------- building
 def auto_methods(cfg: SpeculativeConfig, target: LlamaForCausalLM | None = None) -> list[str]:
     """What ``auto`` chooses among: every method whose descriptor lets auto pick it and that is usable here without
-    further arguments (a trained drafter only when its shipped artefact was trained for ``target``), or only those
+    further arguments (a trained drafter only when its shipped artifact was trained for ``target``), or only those
     the config's ``"methods"`` list names; with ``"lossless": false`` also the lossy branch's, where they fit."""
     opts = cfg.options(AutoOptions)
     wanted = opts.methods

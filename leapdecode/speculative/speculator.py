@@ -48,9 +48,9 @@ class Speculator:
 
     parse = staticmethod(parse_config)  # what the engine checks a new speculative_config dict with
 
-    def __init__(self, engine: Any, cfg: SpeculativeConfig | dict[str, Any],
+    def __init__(self, view: EngineView, cfg: SpeculativeConfig | dict[str, Any],
                  proposer: Proposer | None = None) -> None:
-        self.view = view = EngineView.of(engine)
+        self.view = view
         self.cfg = cfg = parse_config(cfg)  # type: ignore[assignment]
         assert cfg is not None
         self.states: dict[str, DraftState] = {}  # request id -> what the speculator keeps for it

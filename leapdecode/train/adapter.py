@@ -1,7 +1,7 @@
-"""``leapdecode train self-spec`` / ``train draft [--features]``: train an exit adapter (speculative/exit_adapter.py).
+"""``leapdecode train self-spec`` / ``draft-model`` / ``eagle``: train an exit adapter (speculative/exit_adapter.py).
 
-One trainer serves three drafters: self_spec's exit (``--layer L``), the small draft (``train draft``: L = 0)
-and EAGLE's feature draft (``train eagle``, the same as ``train draft --features``).
+One trainer serves three drafters: self_spec's exit (``--layer L``), the small draft (``train draft-model``: L = 0)
+and EAGLE's feature draft (``train eagle``: the draft trainer with feature inputs).
 
 The drafter is ``LMHead(norm(adapter(h_L)))`` (speculative/methods/self_spec.py). Training makes its
 next-token distribution match the target's on the target's own answers (``leapdecode train distill-data``):
@@ -19,7 +19,7 @@ next-token distribution match the target's on the target's own answers (``leapde
    acceptance rate is), coverage and agreement above the drafting threshold, and the loss. Epoch 0 is the
    untrained initialisation, i.e. the early-exit baseline.
 4. **Checkpoint** every ``--save-every`` steps and each epoch (loop.py; rerun the same command to resume), and
-   write the artefact: ``adapter.safetensors`` (best validation epoch), ``config.json``, ``record.json`` (exact command,
+   write the artifact: ``adapter.safetensors`` (best validation epoch), ``config.json``, ``record.json`` (exact command,
    data manifest and hash, seed, history, timings). ``speculative_config={"method": "self_spec", "model": OUT}``
    loads it; copy it to ``leapdecode/artifacts/self_spec/`` to ship it as the default.
 """
@@ -45,7 +45,6 @@ from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.methods.eagle import EagleProposer
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
 from leapdecode.speculative.policy import StepCostModel, expected_tokens, scratch_step
-from leapdecode.speculative.proposer import EngineView
 from leapdecode.train.data import (
     Batch,
     CachedArray,
@@ -239,7 +238,7 @@ def estimate_speed(model: LlamaForCausalLM, model_path: Path, adapter: ExitAdapt
         heads.append((f"subset{subset}", subset, metrics["agree_subset_head"]))
     for name, n, alpha in heads:
         kind = EagleProposer if adapter.feature_input else SelfSpecProposer
-        prop = kind(EngineView.of(eng), adapter, 0.0, ranked[:n] if n else None)
+        prop = kind(eng.drafting_view(), adapter, 0.0, ranked[:n] if n else None)
         d1 = StepCostModel.calibrate(prop.timed_draft_step, sizes=(1,), repeats=5)(1)
         best_g, best_x = 0, 1.0
         for g in range(1, 9):
@@ -258,7 +257,7 @@ def check_args(args: argparse.Namespace, num_layers: int) -> None:
     if not 0 <= args.layer < num_layers:
         raise ValueError(f"--layer must be in [0, {num_layers - 1}] for this model, got {args.layer}")
     if args.features and args.layer:
-        raise ValueError("--features is for drafts (`leapdecode train draft`): they share no target layers")
+        raise ValueError("feature inputs are for drafts (`leapdecode train eagle`): they share no target layers")
     if args.chain_steps < 1:
         raise ValueError(f"--chain-steps must be >= 1, got {args.chain_steps}")
     if not 1 <= args.adapter_layers <= num_layers - args.layer:
@@ -439,7 +438,7 @@ class AdapterRun:
 
 
 def export(run: AdapterRun, model_path: Path, out: Path, seconds: dict[str, float]) -> dict[str, Any]:
-    """Write the artefact (the best epoch's weights) and its record; returns the validation it was chosen by."""
+    """Write the artifact (the best epoch's weights) and its record; returns the validation it was chosen by."""
     args, p, head = run.args, run.progress, run.head
     if p.best is not None:
         run.adapter.load_state_dict(p.best["adapter"])
@@ -483,7 +482,7 @@ def print_estimate(estimate: dict[str, Any], subset: int) -> None:
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run (``train eagle`` implies ``--features``)."""
-    draft = args.train_command in ("draft", "eagle")
+    draft = args.train_command in ("draft-model", "eagle")
     skip = ("func", "train_func", "command", "train_command") + (("layer",) if draft else ()) + \
         (("features",) if args.train_command == "eagle" else ())
     parts = []

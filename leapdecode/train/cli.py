@@ -10,12 +10,14 @@ from leapdecode.train.medusa import MedusaTrainConfig, cmd_medusa, parse_floats
 from leapdecode.train.medusa_tree import cmd_medusa_tree
 
 MEDUSA_SUMMARY = "``leapdecode train medusa``: train Medusa heads on the target's own answers (self-distillation)."
+BLOCKWISE_SUMMARY = ("``leapdecode train blockwise``: train blockwise decoding's heads, one per offset 1..k, on the "
+                     "target's own answers (the heads trainer of ``train medusa`` with ``--layout one-per-offset``).")
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train drafters (self-distillation data, Medusa heads, exit adapters, small drafts)",
+        help="train draft-modelers (self-distillation data, Medusa heads, exit adapters, small drafts)",
         description="Training commands for the drafters that speculative decoding uses.",
     )
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="TRAIN_COMMAND")
@@ -66,13 +68,13 @@ def _add_adapter(tsub: argparse._SubParsersAction) -> None:
                    "L=15) or from layers L.. (next), the layers that read h_L in the target")
     _adapter_args(p)
     d = tsub.add_parser(
-        "draft",
+        "draft-model",
         help="distil a small draft model (N decoder layers sharing the target's embedding and LM head)",
         description="Trains a draft of --layers decoder layers (initialised from target layers) over the target's "
         "own embedding, with the target's final norm and LM head, to match the target's next-token distribution "
         "on the distillation data: self-spec with no shared layers, the same cache, loss, validation, checkpoints "
-        "and artefact. speculative_config={\"method\": \"draft_model\", \"model\": OUT} drafts with it; "
-        "leapdecode/artifacts/draft/ is the one used without a path.",
+        "and artifact. speculative_config={\"method\": \"draft_model\", \"model\": OUT} drafts with it; "
+        "leapdecode/artifacts/draft_model/ is the one used without a path.",
     )
     d.add_argument("--layers", dest="adapter_layers", type=int, default=3,
                    help="decoder layers in the draft (3 of SmolLM2's 30 = 1/10 of its non-embedding parameters)")
@@ -82,10 +84,11 @@ def _add_adapter(tsub: argparse._SubParsersAction) -> None:
     d.set_defaults(layer=0)
     e = tsub.add_parser(
         "eagle",
-        help="train EAGLE's feature-conditioned draft (the same trainer as `train draft --features`)",
+        help="train EAGLE's feature-conditioned draft (the adapter trainer, with feature inputs)",
         description="Trains a draft whose input at each position is the target's final hidden state one position "
-        "back fused with the current token's embedding, on the distillation data: `train draft --features` under "
-        "the method's own name. speculative_config={\"method\": \"eagle\", \"model\": OUT} drafts with it; "
+        "back fused with the current token's embedding, on the distillation data (the adapter trainer of "
+        "`train draft-model`, with feature inputs). speculative_config={\"method\": \"eagle\", \"model\": OUT} "
+        "drafts with it; "
         "leapdecode/artifacts/eagle/ is the one used without a path.",
     )
     e.add_argument("--layers", dest="adapter_layers", type=int, default=1, help="decoder layers in the draft")
@@ -117,10 +120,7 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
                    help="score the loss over the N most frequent tokens only (0 = full LM head, ~4x slower "
                    "steps on SmolLM2)")
     p.add_argument("--min-draft-prob", type=float, default=0.3,
-                   help="drafting threshold stored in the artefact and used for the confidence metrics")
-    p.add_argument("--features", action="store_true",
-                   help="train a feature-conditioned draft (EAGLE-style; `train draft` only): its input is the "
-                   "target's final hidden state one position back fused with the current token's embedding")
+                   help="drafting threshold stored in the artifact and used for the confidence metrics")
     p.add_argument("--feature-weight", type=float, default=0.3,
                    help="feature drafts: weight of the smooth-L1 loss to the target's next feature")
     p.add_argument("--chain-steps", type=int, default=2,
@@ -135,25 +135,35 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --out")
     p.add_argument("--no-estimate", action="store_true",
                    help="skip timing draft and target steps for the speedup estimate at the end")
-    p.set_defaults(train_func=cmd_self_spec)
+    p.set_defaults(train_func=cmd_self_spec, features=False)  # `train eagle` sets features
 
 
 def _add_medusa(tsub: argparse._SubParsersAction) -> None:
+    _heads_parser(tsub, "medusa", "train Medusa heads on self-distillation data (cached hidden states, "
+                  "progressive, curriculum)", MEDUSA_SUMMARY, MedusaTrainConfig(data="", out="").layout)
+    _heads_parser(tsub, "blockwise", "train blockwise decoding's heads (one per offset 1..k) on self-distillation "
+                  "data", BLOCKWISE_SUMMARY, "one-per-offset")
+    _add_medusa_tree(tsub)
+
+
+def _heads_parser(tsub: argparse._SubParsersAction, name: str, help_text: str, summary: str, layout: str) -> None:
+    """The heads trainer's command line (train/medusa.py) for ``name``: Medusa's heads or blockwise's, which differ
+    in their default ``--layout``."""
     d = MedusaTrainConfig(data="", out="")
     p = tsub.add_parser(
-        "medusa",
-        help="train Medusa heads on self-distillation data (cached hidden states, progressive, curriculum)",
-        description=MEDUSA_SUMMARY + " Resumable: rerun the same command to continue from "
+        name,
+        help=help_text,
+        description=summary + " Resumable: rerun the same command to continue from "
         "WORK/checkpoint/ (the hidden cache is resumable too); --restart starts over.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--data", required=True, help="distill-data folder (samples.jsonl, manifest.json)")
-    p.add_argument("--out", required=True, help="artefact folder to write (e.g. leapdecode/artifacts/medusa)")
+    p.add_argument("--out", required=True, help="artifact folder to write (e.g. leapdecode/artifacts/medusa)")
     p.add_argument("--work-dir", default=None, help="checkpoints (default DATA/medusa_work)")
     p.add_argument("--cache-dir", default=None, help="hidden-state cache (default DATA/hidden_cache)")
     p.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--layout", default=d.layout, help="pyramid (1,2,2,3,3,3,4,4,4,4), one-per-offset, or offsets")
+    p.add_argument("--layout", default=layout, help="pyramid (1,2,2,3,3,3,4,4,4,4), one-per-offset, or offsets")
     p.add_argument("--diversity", default=d.diversity, choices=["exclude", "ensemble"])
     p.add_argument("--targets", default=d.targets, choices=["hard", "soft"])
     p.add_argument("--loss-weights", type=parse_floats, default=d.loss_weights, help="by offset, e.g. 1,0.8,0.6,0.4")
@@ -191,6 +201,8 @@ def _add_medusa(tsub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     p.set_defaults(train_func=cmd_medusa)
 
+
+def _add_medusa_tree(tsub: argparse._SubParsersAction) -> None:
     t = tsub.add_parser(
         "medusa-tree",
         help="re-derive the Medusa candidate tree from development prompts and this machine's step cost",
@@ -198,7 +210,7 @@ def _add_medusa(tsub: argparse._SubParsersAction) -> None:
         "most frequent rank paths become the tree in HEADS/config.json (the validation tree is kept as "
         "tree_validation).",
     )
-    t.add_argument("--heads", default=None, help="artefact folder (default: the shipped heads)")
+    t.add_argument("--heads", default=None, help="artifact folder (default: the shipped heads)")
     t.add_argument("--model", default=None)
     t.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     t.add_argument("--prompts", default="mt_bench")

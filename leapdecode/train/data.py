@@ -76,7 +76,7 @@ def read_samples(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def read_manifest(data_file: Path) -> dict[str, Any] | None:
-    """How the data was made (``manifest.json`` beside ``samples.jsonl``), for the artefact's record."""
+    """How the data was made (``manifest.json`` beside ``samples.jsonl``), for the artifact's record."""
     path = data_file.parent / MANIFEST_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 

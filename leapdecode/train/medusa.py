@@ -29,7 +29,7 @@ Pipeline (each stage resumable):
    never straddle it): per-head top-1/top-k accuracy, per-offset merged candidate accuracy, and the rank paths of
    the true continuations, from which the shipped tree is built (tree.py).
 5. **Export** to ``--out``: heads (fp16), config.json (layout, tree, metrics, fingerprint of the LM head they were
-   trained on) and record.json (exact command, data manifest, seed, timings), the one artefact format
+   trained on) and record.json (exact command, data manifest, seed, timings), the one artifact format
    (speculative/artifacts.py).
 
 ``leapdecode train medusa-tree`` re-derives the tree from the development prompts (plain greedy decoding, then the
@@ -83,7 +83,7 @@ DEFAULT_TEMPERATURES = (1.0, 1.2, 1.4, 1.6)
 # ------------------------------------------------------------------------------------------------- config
 @dataclass
 class MedusaTrainConfig:
-    """Every knob of a run; stored in checkpoints and in the artefact's record."""
+    """Every knob of a run; stored in checkpoints and in the artifact's record."""
 
     data: str
     out: str
@@ -534,7 +534,7 @@ class MedusaTrainer:
         return self.val_history[-1]
 
     def export(self, out: str | Path, command: str) -> Path:
-        """Write the artefact folder (heads, config with tree and metrics, record)."""
+        """Write the artifact folder (heads, config with tree and metrics, record)."""
         v = self.val_history[-1]
         eng = self.llm.engine
         tree = dict(v["tree"])

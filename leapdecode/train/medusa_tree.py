@@ -1,6 +1,6 @@
 """``leapdecode train medusa-tree``: the Medusa candidate tree from development prompts and this machine's cost.
 
-A trained artefact's tree comes from its validation split (train/medusa.py); this re-derives it from plain greedy
+A trained artifact's tree comes from its validation split (train/medusa.py); this re-derives it from plain greedy
 answers to development prompts (the heads' candidate ranks of what actually followed) and picks the default tree
 size with this machine's measured step cost, for engines that run without the cost model.
 """
@@ -29,7 +29,7 @@ from leapdecode.train.data import TargetPasses
 
 def default_tree_nodes(engine: Any, curve: Seq[float]) -> int:
     """Tree size maximising expected tokens per second at batch 1 on *this* machine (measured step cost);
-    stored as the artefact's default for engines that run without the cost model."""
+    stored as the artifact's default for engines that run without the cost model."""
     cost = StepCostModel.calibrate(lambda n: scratch_step(engine.runner, engine.block_manager, n),
                                    sizes=(1, 2, 3, 5, 9, 17, 33), repeats=3)
     best, best_rate = 0, 1.0 / max(cost(1), 1e-9)
@@ -42,7 +42,7 @@ def default_tree_nodes(engine: Any, curve: Seq[float]) -> int:
 
 def tune_tree(heads_dir: Path, llm: LLM, prompts: list[str], max_tokens: int, max_nodes: int,
               log=print) -> dict[str, Any]:
-    """Rebuild the artefact's tree from the development prompts: plain greedy answers, the heads' merged
+    """Rebuild the artifact's tree from the development prompts: plain greedy answers, the heads' merged
     candidates at every answer position, the rank paths of what actually followed; default size from this
     machine's step cost."""
     heads, subset, meta = load_heads(heads_dir)

@@ -3,7 +3,7 @@
 **Predict.** k proposal heads, head i predicting the token i places after the one the target emits from the same
 hidden state (offsets 1..k). They are Medusa heads with the one-per-offset layout (``heads.py``: a residual
 block on the target's final hidden state, read out by the target's own LM head), trained by the Medusa trainer:
-``leapdecode train medusa --layout 1,2,...,k``. Each head proposes its top-1 token, so a step drafts a *chain* of
+``leapdecode train blockwise``. Each head proposes its top-1 token, so a step drafts a *chain* of
 k tokens (Medusa with a one-path tree), verified in the engine's plain causal layout. A folder of n heads serves
 every k <= n (the first k heads); the shipped ones (``leapdecode/artifacts/blockwise/``) have n = 8.
 
@@ -110,7 +110,7 @@ class BlockwiseSettings:
             raise ValueError(
                 f"blockwise num_speculative_tokens must be an integer in [1, {num_heads}] (the heads folder has "
                 f"{num_heads} heads, one per offset 1..{num_heads}), got {k!r}; train more heads with "
-                "`leapdecode train medusa --layout 1,2,...,k`"
+                "`leapdecode train blockwise`"
             )
         if opts.acceptance == "exact":
             return cls(k)
@@ -137,7 +137,7 @@ class BlockwiseProposer(HeadsProposer):
         if any(o != i + 1 for i, o in enumerate(heads.offsets)):
             raise ValueError(
                 f"blockwise decoding needs one head per offset 1..n, these heads have offsets {heads.offsets}; "
-                "train them with `leapdecode train medusa --layout 1,2,...,k`"
+                "train them with `leapdecode train blockwise`"
             )
         if settings.k > heads.num_heads:
             raise ValueError(f"k={settings.k} needs {settings.k} heads, the folder has {heads.num_heads}")
@@ -223,7 +223,7 @@ METHOD = Method(
     options=(BlockwiseOptions,),
     shared=frozenset({"model", "num_speculative_tokens"}),
     build=_build,
-    artefact="blockwise",
+    artifact="blockwise",
     auto=AutoUse("lossy", rank=0, usable=lambda cfg, target: target is not None and
                  shipped_heads_for(target, BLOCKWISE_DIR) is not None),
     lossy_bench={"blockwise_topk": {"method": "blockwise", "acceptance": "topk", "top_k": 2}},

@@ -8,7 +8,7 @@ for. Each step it first *catches up* (feeds the committed tokens it has not seen
 last accepted draft, or a whole prompt for a new sequence) and then drafts autoregressively, all sequences of the
 batch in one forward per draft position. After verification it rolls its shadow back to the committed prefix.
 
-``{"method": "draft_model"}`` without a path, or with a folder written by ``leapdecode train draft``, runs a
+``{"method": "draft_model"}`` without a path, or with a folder written by ``leapdecode train draft-model``, runs a
 *trained* small draft instead: an exit adapter with no shared target layers (methods/self_spec.py), which reuses
 the target's embedding and LM head and needs no second checkpoint (``make_draft_model``).
 """
@@ -113,11 +113,14 @@ class DraftModelProposer(ShadowCacheProposer):
 
 
 def make_draft_model(cfg: SpeculativeConfig, view: EngineView) -> ShadowCacheProposer:
-    """``{"method": "draft_model"}``: a trained small draft (no "model", or a ``leapdecode train draft`` folder),
+    """``{"method": "draft_model"}``: a trained small draft (no "model", or a ``leapdecode train draft-model`` folder),
     else the checkpoint "model" names (HF folder, GGUF file, or "target")."""
     if cfg.model is None or is_adapter_folder(cfg.model):
         return SelfSpecProposer.from_config(cfg, view, kind="draft_model")
     return DraftModelProposer.from_path(cfg.model, view, cfg.draft_linear_kernel)
+
+
+NAME = "draft_model"
 
 
 def _usable(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> bool:
@@ -125,13 +128,12 @@ def _usable(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> bool:
     return bool(cfg.model) or (target is not None and shipped_adapter_for(target, shipped_dir(NAME)) is not None)
 
 
-NAME = "draft_model"
 METHOD = Method(
     name=NAME,
     options=(DrafterOptions,),
     shared=frozenset({"model", "draft_linear_kernel"}) | CHAIN_KEYS,
     build=lambda cfg, view, auto: make_draft_model(cfg, view),
-    artefact="draft",
+    artifact=NAME,
     auto=AutoUse("separate", rank=0, options=(DrafterOptions,), usable=_usable),
 )
 

@@ -38,7 +38,7 @@ committed prefix and attend through a tree mask that covers the nodes cached by 
 Nodes whose cumulative probability is below ``tree_min_prob`` are never added, so a confident draft makes a deep
 narrow tree and an unsure one a small tree or none.
 
-It shares everything else with self-speculation (SelfSpecProposer): artefact format and loading, the stop
+It shares everything else with self-speculation (SelfSpecProposer): artifact format and loading, the stop
 threshold ``min_draft_prob``, the vocabulary-subset head, shadow caches, cost calibration. The draft is an
 ``ExitAdapter`` with ``feature_input`` (L = 0); only the ``eagle`` method runs one (``draft_model`` and
 ``self_spec`` refuse a feature draft).
@@ -67,7 +67,7 @@ from leapdecode.speculative.tree import select_by_score
 # CPU (README: the eagle tree table): wider or deeper trees accepted at most 0.03 more tokens per step and cost
 # more to draft
 TREE_EMA = 0.2  # per-sequence tokens-per-step estimate of the tree: weight of each new step
-ARTEFACT = "eagle"  # the shipped feature draft: leapdecode/artifacts/eagle/
+ARTIFACT = "eagle"  # the shipped feature draft: leapdecode/artifacts/eagle/
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class EagleProposer(SelfSpecProposer):
 
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:
         """Chains: None (dynamic gamma). Trees: ``tree_nodes`` nodes, with this sequence's measured tokens per
-        tree step (an EMA from the artefact's acceptance as a chain of ``tree_depth``); under the engine's cost
+        tree step (an EMA from the artifact's acceptance as a chain of ``tree_depth``); under the engine's cost
         model 0 when that does not beat plain decoding, drifting back toward the prior so it is tried again."""
         if not self.tree_nodes:
             return None
@@ -341,11 +341,11 @@ METHOD = Method(
     shared=frozenset({"model"}) | CHAIN_KEYS,
     # under auto (and as a hybrid's trunk) a chain: the tree is this method's own opt-in
     build=lambda cfg, view, auto: EagleProposer.from_config(
-        cfg, view, ARTEFACT, shipped_only=auto, tree=None if auto else cfg.options(EagleTreeOptions)),
-    artefact=ARTEFACT,
+        cfg, view, ARTIFACT, shipped_only=auto, tree=None if auto else cfg.options(EagleTreeOptions)),
+    artifact=ARTIFACT,
     auto=AutoUse("hidden", rank=1, options=(DrafterOptions,),
                  usable=lambda cfg, target: target is not None and
-                 shipped_adapter_for(target, shipped_dir(ARTEFACT)) is not None),
+                 shipped_adapter_for(target, shipped_dir(ARTIFACT)) is not None),
     bench={"eagle_tree": {"method": "eagle", "tree_nodes": 4}},
 )
 

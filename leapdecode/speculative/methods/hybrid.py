@@ -22,7 +22,7 @@ step. The trunk length follows the dynamic-γ rule on the trunk's acceptance, si
 
 Config (options.HybridOptions): ``{"method": "hybrid"}`` uses the shipped self_spec adapter as the trunk and the
 shipped Medusa heads; ``"model": PATH`` makes a draft model the trunk (an HF/GGUF model, ``"target"``: the target
-itself, e.g. with ``draft_linear_kernel``, or a ``leapdecode train draft`` folder; a folder holding a
+itself, e.g. with ``draft_linear_kernel``, or a ``leapdecode train draft-model`` folder; a folder holding a
 feature-conditioned draft makes an ``eagle`` trunk), unless ``"trunk"`` says which drafter PATH is for
 (``"self_spec"``: an exit adapter, ``"eagle"``: a feature draft, shipped or PATH); ``"trunk": "draft_model"``
 without a path takes the shipped draft; ``"heads": PATH`` other heads, ``"branches": N`` candidates per depth

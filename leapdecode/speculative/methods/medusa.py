@@ -2,13 +2,13 @@
 
 The heads (heads.py) each guess the token at one offset after the next; their ranked candidates per depth are
 arranged into a tree of rank paths (tree.py), shaped by the paths measured on held-out data when the heads were
-trained (``tree`` in the artefact's config.json). The engine hands the proposer the final hidden state of the
+trained (``tree`` in the artifact's config.json). The engine hands the proposer the final hidden state of the
 position whose logits produced the last emitted token (``observe``); the next step proposes the tree, verified in
 one target pass. The number of tree nodes is chosen from the engine's measured step-cost model and that
 expected-tokens curve, or fixed with ``tree_nodes`` (options.MedusaOptions).
 
 The package ships trained heads for the bundled SmolLM2-135M-Instruct in ``leapdecode/artifacts/medusa/``
-(artifacts.py: the artefact format).
+(artifacts.py: the artifact format).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ FALLBACK_NODES = 8  # tree size when neither statistics nor a cost model say oth
 @dataclass(frozen=True)
 class MedusaOptions:
     """Medusa trees (methods/medusa.py): ``tree_nodes`` fixes the tree size (None: sized by the step-cost model or
-    the artefact); ``top_k`` candidates per depth the tree may draw from; ``typical_acceptance`` (lossy, sampled
+    the artifact); ``top_k`` candidates per depth the tree may draw from; ``typical_acceptance`` (lossy, sampled
     requests only) with its bar ``min(posterior_threshold, posterior_alpha * exp(-H(p)))``."""
 
     tree_nodes: int | None = None
@@ -109,7 +109,7 @@ class MedusaProposer(HeadsProposer):
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float]:
         """(nodes, expected tokens per step): fixed ``tree_nodes``; else the size that maximises expected
         tokens per second under the engine's measured step cost (0 = plain decoding pays better); else the
-        artefact's tuned default. Trimming to ``room`` keeps a valid tree (paths are parents-first)."""
+        artifact's tuned default. Trimming to ``room`` keeps a valid tree (paths are parents-first)."""
         if self.tree_nodes is not None:
             n = self.tree_nodes
         elif cost is None or self.curve is None:
@@ -184,7 +184,7 @@ METHOD = Method(
     shared=frozenset({"model", "use_cost_model"}),
     # under auto "model" names a draft model: the shipped heads
     build=lambda cfg, view, auto: MedusaProposer.from_config(cfg, view, str(MEDUSA_DIR) if auto else None),
-    artefact="medusa",
+    artifact="medusa",
     auto=AutoUse("hidden", rank=0, options=(MedusaOptions,),
                  usable=lambda cfg, target: target is not None and shipped_heads_for(target) is not None),
 )

@@ -32,7 +32,7 @@ those committed positions, reading the target's committed K/V but writing its ow
 the committed length, so the target's cache for committed tokens is never touched.
 
 Drafting stops early when the draft's top probability falls below ``min_draft_prob`` (speculative config key,
-default from the artefact, else 0.3): a low-confidence draft is rarely accepted and costs a verification row.
+default from the artifact, else 0.3): a low-confidence draft is rarely accepted and costs a verification row.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ from leapdecode.speculative.proposer import EngineView, tensor_bytes
 from leapdecode.speculative.shadow_cache import DraftLogits, Plan, Shadow, ShadowCacheProposer
 
 DEFAULT_MIN_DRAFT_PROB = 0.3
-ARTEFACT = "self_spec"  # the shipped exit adapter: leapdecode/artifacts/self_spec/
+ARTIFACT = "self_spec"  # the shipped exit adapter: leapdecode/artifacts/self_spec/
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedDrafter:
-    """A trained adapter drafter as its artefact and the config settle it (``load_drafter``)."""
+    """A trained adapter drafter as its artifact and the config settle it (``load_drafter``)."""
 
     path: Path
     adapter: ExitAdapter
@@ -82,7 +82,7 @@ def load_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM, kind: str, sh
     """The adapter drafter of ``kind`` for ``cfg``: the folder "model" names, or (without one, or with
     ``shipped_only``, as under ``auto``, where "model" names a draft model) the shipped one, which must have been
     trained for ``target``. Settles the stop threshold, the vocabulary subset and the measured acceptance from the
-    artefact and the config's drafter options."""
+    artifact and the config's drafter options."""
     user_path = None if shipped_only else cfg.model
     folder, command = shipped_dir(kind), TRAIN_COMMANDS[kind]
     path = Path(user_path) if user_path else shipped_adapter_path(folder)
@@ -114,9 +114,9 @@ def load_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM, kind: str, sh
 
 def _measured_acceptance(acfg: dict[str, Any], min_p: float, subset: torch.Tensor | None,
                          draft_vocab: int) -> float | None:
-    """The artefact's held-out agreement that matches how it will draft: drafting stops below min_draft_prob, so
+    """The artifact's held-out agreement that matches how it will draft: drafting stops below min_draft_prob, so
     a drafted token's acceptance is the agreement where the draft is that confident (valid when the threshold
-    is the one the artefact was validated at); a vocabulary subset was validated only for the training loss's
+    is the one the artifact was validated at); a vocabulary subset was validated only for the training loss's
     subset (it can agree more: no rare tokens)."""
     val = acfg.get("validation") or {}
     key = "agree_confident" if min_p == float(acfg.get("min_draft_prob", -1)) and min_p > 0 else "agree"
@@ -341,11 +341,11 @@ METHOD = Method(
     name="self_spec",
     options=(DrafterOptions,),
     shared=frozenset({"model"}) | CHAIN_KEYS,
-    build=lambda cfg, view, auto: SelfSpecProposer.from_config(cfg, view, ARTEFACT, shipped_only=auto),
-    artefact=ARTEFACT,
+    build=lambda cfg, view, auto: SelfSpecProposer.from_config(cfg, view, ARTIFACT, shipped_only=auto),
+    artifact=ARTIFACT,
     auto=AutoUse("hidden", rank=2, options=(DrafterOptions,),
                  usable=lambda cfg, target: target is not None and
-                 shipped_adapter_for(target, shipped_dir(ARTEFACT)) is not None),
+                 shipped_adapter_for(target, shipped_dir(ARTIFACT)) is not None),
 )
 
 __all__ = ["DEFAULT_MIN_DRAFT_PROB", "METHOD", "LoadedDrafter", "SelfSpecProposer", "load_drafter"]

@@ -1,6 +1,6 @@
 """The feature-conditioned (EAGLE-style) draft: lossless, conditioned on the target's own features for every
 committed token (never its own), never recomputes the target, consistent between training and inference, and
-`leapdecode train draft --features` lowers its loss and writes an artefact the `eagle` method runs."""
+`leapdecode train eagle` lowers its loss and writes an artifact the `eagle` method runs."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def trained(tiny4, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("feature_draft")
     data = distill_tiny(tiny4, tmp, ["cats", "rivers", "clocks", "bread", "snow", "maps"])
     out = tmp / "draft"
-    assert main(["train", "draft", "--features", "--data", str(data), "--layers", "1", "--model", str(tiny4),
+    assert main(["train", "eagle", "--data", str(data), "--layers", "1", "--model", str(tiny4),
                  "--out", str(out), "--batch-tokens", "256", "--vocab-subset", "4096", "--val-fraction", "0.25",
                  "--lr", "3e-3", "--warmup", "2", "--epochs", "3", "--no-estimate"]) == 0
     return out
@@ -85,7 +85,7 @@ def _spec(plain: LLM, folder: Path, **kw) -> LLM:
     return LLM.from_engine_of(plain, speculative_config=cfg, kv_cache_blocks=256, block_size=4)
 
 
-def test_artefact_roundtrip_and_fuse_starts_as_the_plain_draft(tiny4, trained):
+def test_artifact_roundtrip_and_fuse_starts_as_the_plain_draft(tiny4, trained):
     model, _ = load_model(tiny4)
     loaded, cfg, _ = load_adapter(trained, model)
     assert cfg["input"] == "features" and loaded.feature_input and loaded.fc is not None
@@ -210,7 +210,7 @@ def test_sampling_batching_and_preemption(plain1, near_exact):
 def test_train_draft_features_lowers_its_loss_and_runs_in_eagle_and_hybrid(trained, plain4, want, tmp_path):
     out = trained
     rec = json.loads((out / "record.json").read_text())
-    assert rec["command"].startswith("leapdecode train draft --layers 1 ") and "--features" in rec["command"]
+    assert rec["command"].startswith("leapdecode train eagle --layers 1 ") and "--features" not in rec["command"]
     assert "--chain-steps 2" in rec["command"]
     hist = rec["history"]
     assert hist[-1]["train_loss"] < hist[1]["train_loss"] and min(h["val_loss"] for h in hist[1:]) < hist[0]["val_loss"]
@@ -274,7 +274,7 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
     with pytest.raises(ValueError, match="feature-conditioned"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle", "model": str(plain_draft)})
     monkeypatch.setattr(artifacts, "EAGLE_DIR", tmp_path / "none")
-    with pytest.raises(ValueError, match="train draft --features"):
+    with pytest.raises(ValueError, match="train eagle"):
         LLM.from_engine_of(plain1, speculative_config={"method": "eagle"})
 
 
