@@ -77,17 +77,21 @@ class LLM:
         raise TypeError('a prompt must be a string or a dict with "prompt_token_ids" (or "prompt")')
 
     def apply_chat_template(
-        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        escape_special_tokens: bool = False,
     ) -> list[int]:
         """``conversation``'s token ids through the chat template; ``tools``: OpenAI-style function definitions for
         templates that show them to the model; ``chat_template_kwargs``: extra template variables (e.g. Qwen3's
-        ``{"enable_thinking": False}``)."""
+        ``{"enable_thinking": False}``). A special token's text in a message becomes that control token (as in HF
+        transformers and vLLM) unless ``escape_special_tokens`` (untrusted text: it stays text)."""
         if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
-        return chat_token_ids(self.engine.tokenizer, conversation, tools, chat_template_kwargs)
+        return chat_token_ids(self.engine.tokenizer, conversation, tools, chat_template_kwargs, escape_special_tokens)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -266,9 +266,9 @@ def test_speculative_opt_out_reaches_the_engine(
     seen: list[bool] = []
     real = llm.engine.add_request
 
-    def spy(tokens, params, request_id=None, prompt=None):  # runs on the engine thread
+    def spy(tokens, params, request_id=None, prompt=None, grammar=None):  # runs on the engine thread
         seen.append(params.speculative)
-        return real(tokens, params, request_id=request_id, prompt=prompt)
+        return real(tokens, params, request_id=request_id, prompt=prompt, grammar=grammar)
 
     monkeypatch.setattr(llm.engine, "add_request", spy)
     client = sync_client(server)

@@ -240,13 +240,13 @@ def test_response_format_json(server: str, llm: LLM) -> None:
         )
     # grammars compile in a worker thread before the engine sees the request, never on the engine thread
     backend = llm.engine.structured_backend()
-    real, threads = backend._compile, []
-    backend._compile = lambda spec: (threads.append(threading.current_thread().name), real(spec))[1]
+    real, threads = backend._compile_now, []
+    backend._compile_now = lambda spec: (threads.append(threading.current_thread().name), real(spec))[1]
     try:
         c.completions.create(model="default", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {
             "regex": "[xyz]{2,9}"}})
     finally:
-        del backend._compile
+        del backend._compile_now
     assert threads and "leapdecode-engine" not in threads, threads
     # compiled before the engine sees the request: a grammar that does not compile is a 400 naming it
     with pytest.raises(openai.BadRequestError, match="does not compile"):

@@ -1,5 +1,6 @@
 """The soak run (leapdecode/eval/soak.py), short: a real ``leapdecode serve`` on 127.0.0.1 under mixed streaming,
-non-streaming and cancelled requests loses no request, ends with 0 KV blocks in use and does not grow."""
+non-streaming, cancelled, grammar-constrained and /tokenize requests loses no request, ends with 0 KV blocks in
+use and does not grow."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ def test_short_soak_loses_nothing_and_does_not_grow(tiny_model_dir: Path) -> Non
     r = run_soak(args)
     assert r.ok, r.failures
     kinds = {k.split()[0] for k in r.outcomes}
-    assert kinds == {"completion", "chat", "completion-stream", "chat-stream", "cancelled-stream"}, r.outcomes
+    assert kinds == {"completion", "chat", "completion-stream", "chat-stream", "cancelled-stream",
+                     "grammar-completion", "grammar-chat", "tokenize"}, r.outcomes
+    assert {k for k in r.outcomes if k.startswith(("grammar", "tokenize"))} <= {
+        "grammar-completion 200", "grammar-chat 200", "tokenize 200"}, r.outcomes
     assert r.outcomes.get("cancelled-stream cancelled", 0) > 0
     assert r.requests_lost == 0 and r.kv_blocks_in_use_end == 0
     assert r.server_answered_200 == r.server_finished_or_aborted > 50

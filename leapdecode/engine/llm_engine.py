@@ -39,7 +39,7 @@ from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, 
 from leapdecode.models.stops import template_end_ids, unique
 from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
-from leapdecode.structured import StructuredOutputBackend, make_backend
+from leapdecode.structured import CompiledGrammar, StructuredOutputBackend, make_backend
 
 # the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
 SEQ_ID_SEP = "\x1f"
@@ -206,7 +206,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
+        """Queue a request. ``grammar``: its structured output already compiled (the server compiles off the
+        engine thread and passes it here); without it the grammar is compiled now, on the caller's thread."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
@@ -224,32 +227,55 @@ class LLMEngine:
                 "shorten the prompt (at least one token must remain for generation)"
             )
         bm = self.block_manager
-        need = bm.blocks_needed(min(n + params.max_tokens, self.max_model_len))
+        need = self.blocks_for(n, params.max_tokens, params.n)
         if need > bm.num_blocks:
+            samples = f" for each of n={params.n} samples" if params.n > 1 else ""
             raise KVCapacityError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the cache "
-                f"has {bm.num_blocks}; raise kv_cache_blocks or lower max_tokens"
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}){samples} needs {need} KV blocks but the "
+                f"cache has {bm.num_blocks}; raise kv_cache_blocks or lower max_tokens"
+                + (" or n" if params.n > 1 else "")
             )
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        so = params.structured_outputs
+        if so is not None and grammar is None:
+            grammar = self.structured_backend().compile(so)
         seqs: list[Sequence] = []
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{request_id}{SEQ_ID_SEP}{i}"
             seq = Sequence(sid, prompt_token_ids, params, prompt, self.eos_token_ids, group_id=request_id, index=i)
-            if params.structured_outputs is not None:
-                seq.grammar = self.structured_backend().matcher(params.structured_outputs)
+            if so is not None:
+                seq.grammar = self.structured_backend().matcher(so, grammar)
             if i > 0 and self.config.enable_prefix_caching:
                 seq.prefix_leader = seqs[0]  # share the prompt's blocks through the prefix cache
             seq.group = seqs
             seqs.append(seq)
         if self.executor is not None:  # only a request rank 0 accepted (a grammar that does not compile raises above)
-            self.executor.queue(AddRequest(prompt_token_ids, params, request_id, prompt))
+            # the workers get the compiled grammar, never compiling it inside a step's collectives
+            wire = self.structured_backend().to_wire(grammar) if grammar is not None else None
+            self.executor.queue(AddRequest(prompt_token_ids, params, request_id, prompt, wire))
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
         self.stats["num_prompt_tokens"] += n
         return request_id
+
+    def blocks_for(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """KV blocks a request needs at its longest: ``n`` sequences, sharing the prompt's full blocks when
+        prefix caching is on (each writes its own output blocks)."""
+        bm = self.block_manager
+        per_seq = bm.blocks_needed(min(num_prompt_tokens + max_tokens, self.max_model_len))
+        shared = num_prompt_tokens // bm.block_size if self.config.enable_prefix_caching else 0
+        return shared + n * (per_seq - shared)
+
+    def max_tokens_fitting(self, num_prompt_tokens: int, n: int = 1) -> int:
+        """The largest ``max_tokens`` (at least 1) whose ``n`` sequences fit the whole KV cache (see
+        :meth:`blocks_for`), within the context."""
+        bm = self.block_manager
+        shared = num_prompt_tokens // bm.block_size if self.config.enable_prefix_caching else 0
+        per_seq = shared + (bm.num_blocks - shared) // n
+        return max(1, min(self.max_model_len, per_seq * bm.block_size) - num_prompt_tokens)
 
     def structured_backend(self) -> StructuredOutputBackend:
         """The grammar engine, made (tokenizer compiled) on the first request that asks for structured output."""

@@ -29,6 +29,7 @@ from leapdecode import parallel
 from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.structured.base import CompiledGrammar, StructuredOutputBackend
 
 PR_SET_PDEATHSIG = 1
 MAX_ERROR_CHARS = 4000
@@ -38,7 +39,9 @@ class WorkerEngine(Protocol):
     """What a worker needs of the engine (``LLMEngine``)."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> str: ...
+                    prompt: str | None = None, grammar: CompiledGrammar | None = None) -> str: ...
+
+    def structured_backend(self) -> StructuredOutputBackend: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -58,6 +61,7 @@ class AddRequest:
     params: SamplingParams
     request_id: str
     prompt: str | None = None
+    grammar_wire: str | None = None  # the compiled grammar, serialised (workers never compile inside a step)
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,10 @@ def serve(engine: WorkerEngine, conn: Connection, rank: int) -> None:
 def apply(engine: WorkerEngine, cmd: Command) -> None:
     """One change rank 0 made to its engine, made to this one."""
     if isinstance(cmd, AddRequest):
-        engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.prompt)
+        so = cmd.params.structured_outputs
+        wire = cmd.grammar_wire
+        grammar = engine.structured_backend().from_wire(so.key(), wire) if so is not None and wire else None
+        engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.prompt, grammar=grammar)
     elif isinstance(cmd, AbortRequest):
         engine.abort_request(cmd.request_id)
     elif isinstance(cmd, SetSpeculative):

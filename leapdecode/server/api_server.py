@@ -24,7 +24,7 @@ from leapdecode.llm import LLM
 from leapdecode.server import protocol as P
 from leapdecode.server.async_engine import AsyncEngine
 from leapdecode.server.chat_output import ChatOutputConfig
-from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
+from leapdecode.server.defaults import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from leapdecode.server.embeddings import POOLINGS, EmbeddingRequest, EmbeddingResponse, Pooling
 from leapdecode.server.errors import install_error_handlers
 from leapdecode.server.metrics import ServerMetrics
@@ -47,6 +47,8 @@ def build_app(
     chat_output: ChatOutputConfig | None = None,
     log_stats_interval: float | None = None,
     embedding_pooling: Pooling = "last",
+    body_read_timeout_s: float | None = DEFAULT_BODY_READ_TIMEOUT_S,
+    request_timeout_s: float | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine``. The engine thread starts and stops with the app's lifespan,
     so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413.
@@ -55,19 +57,28 @@ def build_app(
     ``allowed_origins``: the browser origins allowed by CORS (``["*"]`` for any); None answers no CORS headers.
     ``chat_output``: the tool-call and reasoning parsers of chat answers (default: chosen from the chat template).
     ``log_stats_interval``: log a line of engine stats every that many seconds while there is work (None: never).
-    ``embedding_pooling``: how ``/v1/embeddings`` pools hidden states (``last`` token or ``mean``)."""
+    ``embedding_pooling``: how ``/v1/embeddings`` pools hidden states (``last`` token or ``mean``).
+    ``body_read_timeout_s``: a body that takes longer to arrive gets 408. ``request_timeout_s``: a request still
+    generating that long after the engine accepted it is stopped (its KV freed) and answered 408 (streamed: an
+    error event); None: no limit."""
     if embedding_pooling not in POOLINGS:
         raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    for name, value in (("body_read_timeout_s", body_read_timeout_s), ("request_timeout_s", request_timeout_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (or None for no limit), got {value}")
     llm = as_llm(llm_or_engine)
     name = model_name or default_model_name(llm.engine)
     metrics = ServerMetrics(name)
     aengine = AsyncEngine(llm.engine, max_queue=max_queue)
     metrics.attach(aengine)
-    serving = Serving(llm, name, aengine, metrics, max_request_bytes, chat_output)
+    serving = Serving(
+        llm, name, aengine, metrics, max_request_bytes, chat_output,
+        body_timeout_s=body_read_timeout_s, request_timeout_s=request_timeout_s,
+    )
 
     stats_logger = StatsLogger(aengine, log_stats_interval) if log_stats_interval is not None else None
 

@@ -40,6 +40,7 @@ from leapdecode.engine.executor import WorkerDiedError
 from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.structured import CompiledGrammar
 
 logger = logging.getLogger("leapdecode.server")
 # steps in a row that fail as a whole (or whose forward fails for every request) before /health says 503
@@ -282,9 +283,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------------------- requests
     async def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
-        """Submit a request and wait until the engine accepted it.
+        """Submit a request and wait until the engine accepted it (``grammar``: its structured output, compiled
+        off the engine thread).
 
         Raises ``QueueFullError`` (too many queued), ``EngineDeadError`` (not running), or the engine's
         ``ValueError``/``TypeError`` for a request it refuses (e.g. prompt longer than the context)."""
@@ -300,7 +306,7 @@ class AsyncEngine:
         stream = RequestStream(self, rid, params)
         self._streams[rid] = stream
         self.num_queued += 1
-        self._inbox.put(("add", rid, list(prompt_token_ids), params, prompt))
+        self._inbox.put(("add", rid, list(prompt_token_ids), params, prompt, grammar))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -418,9 +424,9 @@ class AsyncEngine:
             if self._stopping.is_set():
                 return
             if cmd[0] == "add":
-                _, rid, tokens, params, prompt = cmd
+                _, rid, tokens, params, prompt, grammar = cmd
                 try:
-                    eng.add_request(tokens, params, request_id=rid, prompt=prompt)
+                    eng.add_request(tokens, params, request_id=rid, prompt=prompt, grammar=grammar)
                     out.append((rid, _ACCEPTED))
                 except (ValueError, TypeError) as e:
                     out.append((rid, e))

@@ -27,6 +27,7 @@ JsonMode = Literal["validation", "serialization"]
 ERROR_REASONS = {
     400: "invalid request (bad JSON, a wrong type or range, an unsupported field, a prompt that cannot fit)",
     404: "unknown model or path",
+    408: "the request body arrived too slowly, or generation ran past the server's --request-timeout",
     413: "request body over the server's limit",
     500: "server bug",
     503: "queue full or engine stopped: retry after the Retry-After header's seconds",

@@ -292,6 +292,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     # vLLM's extension: extra variables for the chat template (e.g. Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # leapdecode extension: message text is tokenized as text, a special token's text never a control token
+    escape_special_tokens: StrictBool = False
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -499,6 +501,7 @@ class TokenizeChatRequest(BaseModel):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     return_token_strs: StrictBool = False
+    escape_special_tokens: StrictBool = False  # as in ChatCompletionRequest
 
     def conversation(self) -> list[dict[str, str]]:
         return as_conversation(self.messages)

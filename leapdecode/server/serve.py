@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 from leapdecode.cli_args import EPILOG, add_model_args
 from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
 from leapdecode.models.loader import resolve_model
-from leapdecode.server.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
+from leapdecode.server.defaults import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_REQUEST_BYTES,
+)
 from leapdecode.server.request_ids import RequestIdFilter
 from leapdecode.server.serve_args import add_user_args, apply_config_file, engine_kwargs, resolve_model_arg
 
@@ -38,9 +43,11 @@ def make_server(
     port: int = 8000,
     log_level: str = "info",
     on_ready: Callable[[str], None] | None = None,
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
 ) -> uvicorn.Server:
     """A ``uvicorn.Server`` for ``app``; ``on_ready(base_url)`` runs once the socket is listening (``port=0``
-    picks a free port, reported in the URL)."""
+    picks a free port, reported in the URL). Past ``limit_concurrency`` connections and running requests,
+    uvicorn answers 503."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -60,7 +67,8 @@ def make_server(
                 on_ready(self.base_url)
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+        limit_concurrency=limit_concurrency,
     )
     return _Server(config)
 
@@ -158,6 +166,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
+    for flag, value in (("--body-read-timeout", args.body_read_timeout), ("--request-timeout", args.request_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
     if args.api_key is not None and not args.api_key:
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
     configure_logging(args.log_level)
@@ -172,6 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_output=ChatOutputConfig(args.tool_call_parser, args.reasoning_parser),
         log_stats_interval=None if args.disable_log_stats else args.log_interval,
         embedding_pooling=args.embedding_pooling,
+        body_read_timeout_s=args.body_read_timeout,
+        request_timeout_s=args.request_timeout,
     )
     name = app.state.model_name
     logging.getLogger("leapdecode.server").info(startup_summary(llm.engine, name))
@@ -179,7 +194,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"leapdecode: serving {name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
 
-    server = make_server(app, args.host, args.port, args.log_level, on_ready=ready)
+    server = make_server(
+        app, args.host, args.port, args.log_level, on_ready=ready, limit_concurrency=args.limit_concurrency
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught
@@ -262,6 +279,27 @@ def add_cli(sub: Any) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"larger request bodies get 413 (default: {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=DEFAULT_LIMIT_CONCURRENCY,
+        help="open connections plus running HTTP requests allowed at once (uvicorn's limit); past it new ones get "
+        f"503 (default: {DEFAULT_LIMIT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="seconds a request body may take to arrive before the request gets 408, so slow uploads cannot each "
+        f"hold a connection and a body buffer (default: {DEFAULT_BODY_READ_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a completion may run after the engine accepted it; then it is stopped, its KV cache freed, "
+        "and it gets 408 (streamed: an error event, then [DONE]) (default: no limit)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="name in /v1/models (default: the model folder's name)"

@@ -15,9 +15,10 @@ Invariants
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from leapdecode.server.async_engine import (
     StreamOutput,
 )
 from leapdecode.server.chat_output import ChatOutputConfig
+from leapdecode.server.deadlines import DeadlineExceeded, deadline_after, until_deadline
 from leapdecode.server.metrics import ServerMetrics
 from leapdecode.server.streaming import (
     SSE_DONE,
@@ -51,11 +53,14 @@ from leapdecode.server.streaming import (
     sse,
     until_disconnect,
 )
+from leapdecode.structured import CompiledGrammar, GrammarLimitError
 
 MODEL_ALIAS = "default"
 RETRY_AFTER_S = 1
-COMPLETION_ERRORS = (400, 404, 413, 500, 503)  # what the generation routes may answer, documented in /openapi.json
+COMPLETION_ERRORS = (400, 404, 408, 413, 500, 503)  # what the generation routes may answer, documented in /openapi.json
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
+TEXT_MARGIN = 4  # Unicode normalization merges at most a few characters into one (e.g. Hangul jamo)
+OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a worker thread
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -107,17 +112,30 @@ class Serving:
     """The state and plumbing the routes share; one per app."""
 
     def __init__(
-        self, llm: LLM, name: str, aengine: AsyncEngine, metrics: ServerMetrics, max_request_bytes: int,
+        self,
+        llm: LLM,
+        name: str,
+        aengine: AsyncEngine,
+        metrics: ServerMetrics,
+        max_request_bytes: int,
         chat_output: ChatOutputConfig | None = None,
+        body_timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.llm = llm
         self.chat_output = chat_output or ChatOutputConfig()
+        self.body_timeout_s = body_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.preparing = 0  # requests past parsing, not yet queued (tokenizing, compiling): only the loop counts
         self.engine = llm.engine
         self.name = name
         self.aengine = aengine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.created = P.now_s()
+        tok = self.engine.tokenizer
+        vocab = tok.get_vocab() if tok is not None else {}
+        self.longest_token_chars = max((len(t) for t in vocab), default=1)
 
     # ----------------------------------------------------------------------------------------------- input
     def too_large(self) -> P.APIError:
@@ -136,16 +154,31 @@ class Serving:
             raise self.too_large()
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                raise self.too_large()
-            chunks.append(chunk)
+        try:
+            async for chunk in until_deadline(request.stream(), deadline_after(self.body_timeout_s)):
+                size += len(chunk)
+                if size > self.max_request_bytes:
+                    raise self.too_large()
+                chunks.append(chunk)
+        except DeadlineExceeded:
+            raise P.APIError(
+                f"the request body did not arrive within the server's body timeout of {self.body_timeout_s:g} s "
+                f"({size} bytes read)",
+                status=408,
+                type="timeout",
+                code="request_body_timeout",
+            ) from None
         return b"".join(chunks)
 
     async def parse(self, request: Request, model: type[BaseModel]) -> Any:
         """The body validated as ``model``; bad JSON or a bad field is a 400."""
         raw = await self.read_body(request)
+        if len(raw) > OFF_LOOP_BYTES:  # megabytes of JSON take tens of milliseconds: not on the event loop
+            return await asyncio.to_thread(self.validate, raw, model)
+        return self.validate(raw, model)
+
+    @staticmethod
+    def validate(raw: bytes, model: type[BaseModel]) -> Any:
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -158,6 +191,20 @@ class Serving:
             raise validation_error(e) from None
         except RecursionError:  # a validator walking hostile nesting
             raise P.APIError("the request body is nested too deeply", code="invalid_json") from None
+
+    def check_text_fits(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context: no token stands for more characters
+        than the vocabulary's longest token string, so text over ``context x longest x TEXT_MARGIN``
+        characters (the margin for normalizers that merge characters) has more tokens than the context."""
+        limit = self.engine.max_model_len * self.longest_token_chars * TEXT_MARGIN
+        size = sum(len(t) for t in texts)
+        if size > limit:
+            raise P.APIError(
+                f"the {param} has {size} characters, far more than the model's context of "
+                f"{self.engine.max_model_len} tokens can hold (at most {limit} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in (self.name, MODEL_ALIAS):
@@ -199,9 +246,7 @@ class Serving:
             raise P.APIError(f"top_k must be -1 or in [1, {vocab}], got {req.top_k}", param="top_k")
         self.check_token_ids(list(req.token_bias() or ()), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
-        bm = self.engine.block_manager
-        capacity = bm.num_blocks * bm.block_size
-        default_max = max(1, min(max_len, capacity) - n_prompt)
+        default_max = self.engine.max_tokens_fitting(n_prompt, req.n or 1)  # the n samples' KV fits
         try:
             return req.to_sampling_params(default_max, **extra)
         except ValueError as e:
@@ -209,37 +254,71 @@ class Serving:
             raise P.APIError(str(e), param=m.group(1) if m else None) from None
 
     # ---------------------------------------------------------------------------------------------- engine
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's output grammar in a worker thread (the grammar engine caches it by its spec), so
-        that the engine thread finds it ready when it adds the request instead of stalling every stream while a
-        schema compiles; a grammar that does not compile, or a server without the grammar engine, is a 400."""
+    def busy(self, why: str) -> P.APIError:
+        return P.APIError(
+            f"the server is busy: {why}; retry later",
+            status=503,
+            type="server_busy",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """The queue cap, applied before a request's expensive work (tokenizing, compiling its grammar): the
+        requests being prepared count against ``max_queue`` with the ones waiting in the engine."""
+        waiting = self.aengine.num_queued + self.preparing
+        if waiting >= self.aengine.max_queue:
+            raise self.busy(f"{waiting} requests are already waiting (max_queue={self.aengine.max_queue})")
+        self.preparing += 1
+        try:
+            yield
+        finally:
+            self.preparing -= 1
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile the request's output grammar in the grammar engine's worker threads, so that the engine
+        thread gets it ready-made and never stalls the other streams while a schema compiles. A constraint over
+        the grammar limits, one that does not compile within the compile timeout (the compile goes on without
+        this request; others are not held behind it), or a server without the grammar engine, is a 400."""
         spec = params.structured_outputs
         if spec is None:
-            return
+            return None
         try:
-            matcher = await asyncio.to_thread(lambda: self.engine.structured_backend().matcher(spec))
+            backend = await asyncio.to_thread(self.engine.structured_backend)  # built on first use
+            future = await asyncio.to_thread(backend.submit, spec)  # limits checked first
         except ImportError as e:
             raise P.APIError(str(e), code="structured_output_unavailable") from None
+        except GrammarLimitError as e:
+            raise P.APIError(str(e), code="grammar_too_large") from None
         except ValueError as e:
             raise P.APIError(str(e)) from None
+        # asyncio.wait neither cancels the compile on time-out nor when this request is cancelled: other
+        # requests asking for the same spec share it
+        waited = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waited}, timeout=backend.limits.compile_timeout_s)
+        if not done:
+            raise P.APIError(str(backend.limits.timeout_error(spec)), code="grammar_compile_timeout")
+        try:
+            compiled = waited.result()
+        except ValueError as e:
+            raise P.APIError(str(e)) from None
+        matcher = await asyncio.to_thread(backend.matcher, spec, compiled)
         if not bool(matcher.allowed_tokens().any()):  # e.g. "root ::= root": nothing could ever be sampled
             raise P.APIError(f"structured_outputs.{spec.kind} admits no output at all")
+        if self.engine.executor is not None:  # the tensor-parallel workers' copy, serialised here, not in a step
+            await asyncio.to_thread(backend.to_wire, compiled)
+        return compiled
 
     async def submit(
         self, tokens: list[int], params: SamplingParams, prompt: str | None, prompt_param: str
     ) -> RequestStream:
         """Hand the request to the engine loop; a full queue or a stopped engine is a 503, a refusal a 400."""
-        await self.compile_grammar(params)
+        grammar = await self.compile_grammar(params)
         try:
-            return await self.aengine.add_request(tokens, params, prompt)
+            return await self.aengine.add_request(tokens, params, prompt, grammar=grammar)
         except QueueFullError as e:
-            raise P.APIError(
-                f"the server is busy: {e}; retry later",
-                status=503,
-                type="server_busy",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
+            raise self.busy(str(e)) from None
         except EngineDeadError as e:
             raise P.APIError(
                 str(e), status=503, type="server_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -309,6 +388,15 @@ class Serving:
             return Response(status_code=499)
         return list(finals)
 
+    def timed_out(self) -> P.APIError:
+        return P.APIError(
+            f"the request ran past the server's request timeout of {self.request_timeout_s:g} s and was stopped "
+            "(lower max_tokens to finish sooner)",
+            status=408,
+            type="timeout",
+            code="request_timeout",
+        )
+
     # --------------------------------------------------------------------------------------------- answers
     def stream_response(
         self,
@@ -328,6 +416,8 @@ class Serving:
                 d.pop("usage", None)  # usage appears in chunks only when stream_options.include_usage asked
             return sse(d)
 
+        deadline = deadline_after(self.request_timeout_s)
+
         async def body() -> AsyncIterator[str]:
             for index in range(len(streams) * n):
                 if (event := payload(Delta(index, None, None, None, 0, first=True))) is not None:
@@ -335,7 +425,7 @@ class Serving:
             finals: dict[int, StreamOutput] = {}
             deltas = ChoiceDeltas([s.params.stop_list for s in streams], n)
             try:
-                async for k, out in merge_streams(streams):
+                async for k, out in until_deadline(merge_streams(streams), deadline):
                     for delta in deltas.update(k, out):
                         if (event := payload(delta)) is not None:
                             yield event
@@ -344,6 +434,9 @@ class Serving:
             except (EngineStepError, EngineDeadError) as e:
                 self.metrics.observe_error()
                 yield sse(P.APIError(str(e), status=500, type="internal_error").body())
+            except DeadlineExceeded:
+                abort_all()  # frees their KV blocks now
+                yield sse(self.timed_out().body())
             except RequestAbortedError:
                 return
             else:
@@ -372,7 +465,10 @@ class Serving:
         once every request finished."""
         if streaming:
             return self.stream_response(streams, n, chunk, usage_chunk if include_usage else None)
-        finals = await self.collect(request, streams)
+        try:  # on time-out collect is cancelled, which aborts the streams (freeing their KV blocks)
+            finals = await asyncio.wait_for(self.collect(request, streams), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise self.timed_out() from None
         if isinstance(finals, Response):
             return finals
         return body(finals).model_dump()

@@ -24,8 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from leapdecode.atomic_files import (
+    begin_folder_write,
+    finish_folder_write,
+    replace_in_folder,
+    save_tensors_atomic,
+    verify_folder,
+    write_json_atomic,
+)
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.speculative.exit_adapter import ExitAdapter
@@ -60,19 +68,22 @@ def shipped_dir(kind: str) -> Path:
 # --------------------------------------------------------------------------------------------- the format
 def write_artifact(folder: str | Path, kind: str, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                    record: dict[str, Any] | None = None) -> Path:
-    """Write one artifact folder: the weights, ``config.json`` with its ``type`` first, and ``record.json``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write one artifact folder: the weights, ``config.json`` with its ``type`` first, and ``record.json``, each
+    atomically, then the manifest of their digests (atomic_files.py: an interrupted write is refused on load)."""
+    folder = begin_folder_write(folder)
     weights = ADAPTER_WEIGHTS if kind == ADAPTER_TYPE else HEADS_WEIGHTS
-    save_file(tensors, str(folder / weights))
-    (folder / CONFIG_FILE).write_text(json.dumps({"type": kind, **config}, indent=2) + "\n")
+    save_tensors_atomic(folder / weights, tensors)
+    write_json_atomic(folder / CONFIG_FILE, {"type": kind, **config})
+    names = [weights, CONFIG_FILE]
     if record is not None:
-        write_record(folder, record)
+        write_json_atomic(folder / RECORD_FILE, record)
+        names.append(RECORD_FILE)
+    finish_folder_write(folder, names)
     return folder
 
 
 def write_record(folder: str | Path, record: dict[str, Any]) -> None:
-    (Path(folder) / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    replace_in_folder(folder, RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
 def read_record(folder: str | Path) -> dict[str, Any]:
@@ -94,6 +105,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    verify_folder(path.parent)  # the weights and configs of one complete write
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files

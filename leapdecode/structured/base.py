@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,12 +70,44 @@ class GrammarMatcher(ABC):
         return mask
 
 
+@dataclass
+class CompiledGrammar:
+    """One compiled constraint: ``key`` (``StructuredOutputsParams.key()``), the grammar engine's own object, and
+    ``wire``, its serialised form for tensor-parallel workers (made off the engine thread where the server can)."""
+
+    key: tuple[str, str]
+    handle: Any
+    wire: str | None = None
+
+
 class StructuredOutputBackend(ABC):
-    """Compiles constraints (cached by their spec) against one tokenizer and vocabulary."""
+    """Compiles constraints (cached by their spec) against one tokenizer and vocabulary.
+
+    Compiles run in the backend's own worker threads, several at once, and never under a lock another compile
+    holds: a spec being compiled is compiled once however many requests ask for it (they share its future). Over
+    its :class:`~leapdecode.structured.limits.GrammarLimits` a constraint is refused before compiling."""
 
     @abstractmethod
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher at the start of ``params``' language; ValueError if it does not compile."""
+    def submit(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """Start compiling ``params`` (or join the compile already running for it). Raises ``GrammarLimitError``
+        at once for a constraint over the limits; the future fails with ``ValueError`` if it does not compile."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """:meth:`submit` and wait, at most the compile timeout (then ``GrammarLimitError``)."""
+
+    @abstractmethod
+    def matcher(self, params: StructuredOutputsParams, compiled: CompiledGrammar | None = None) -> GrammarMatcher:
+        """A fresh matcher at the start of ``params``' language (compiled unless ``compiled`` is given);
+        ValueError if it does not compile."""
+
+    @abstractmethod
+    def to_wire(self, compiled: CompiledGrammar) -> str:
+        """``compiled`` serialised for another process with the same tokenizer (kept in ``compiled.wire``)."""
+
+    @abstractmethod
+    def from_wire(self, key: tuple[str, str], wire: str) -> CompiledGrammar:
+        """A grammar another rank compiled, without compiling it again."""
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int, shifts: torch.Tensor) -> torch.Tensor:
@@ -80,4 +115,4 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int, shifts: torch.Tensor
     return ((bitmask.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:vocab_size].bool()
 
 
-__all__ = ["GrammarMatcher", "StructuredOutputBackend", "bitmask_to_bool"]
+__all__ = ["CompiledGrammar", "GrammarMatcher", "StructuredOutputBackend", "bitmask_to_bool"]

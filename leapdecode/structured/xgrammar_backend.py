@@ -2,23 +2,26 @@
 
 JSON schemas, any JSON object (the schema ``{"type": "object"}``), regular expressions and EBNF grammars compile
 with xgrammar's compiler; ``choice`` becomes an EBNF alternation of JSON-escaped string literals. Compiled
-grammars are cached by their spec.
+grammars are cached by their spec in xgrammar's own cache, bounded in bytes (``GrammarLimits.cache_bytes``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from leapdecode.sampling_params import StructuredOutputsParams
-from leapdecode.structured.base import GrammarMatcher, StructuredOutputBackend, bitmask_to_bool
+from leapdecode.structured.base import CompiledGrammar, GrammarMatcher, StructuredOutputBackend, bitmask_to_bool
+from leapdecode.structured.limits import GrammarLimits
 
 UNLIMITED_ROLLBACK = -1  # a matcher undoes any number of tokens (drafts of any length)
-CACHE_ENTRIES = 64
+COMPILE_THREADS = 4  # compiles at once (xgrammar releases the GIL while compiling)
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -48,44 +51,83 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class XGrammarBackend(StructuredOutputBackend):
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GrammarLimits | None = None
+    ) -> None:
+        self.limits = limits or GrammarLimits()
+        self._info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        # xgrammar's own cache (by spec) holds the compiled grammars, bounded in bytes (least recently used out)
+        self._compiler = xgr.GrammarCompiler(
+            self._info, max_threads=1, cache_enabled=True, cache_limit_bytes=self.limits.cache_bytes
+        )
         self._vocab = vocab_size
         self._shifts = torch.arange(32, dtype=torch.int32)
-        self._cache: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()  # compiling and evicting (lookups read the dict without it)
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._running: dict[tuple[str, str], Future[CompiledGrammar]] = {}
+        self._lock = threading.Lock()  # guards _running only: never held while compiling
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        kind, spec = params.key()
-        c = self._compiler
-        if kind in ("json", "json_compact"):
-            return c.compile_json_schema(spec, any_whitespace=kind == "json")
-        if kind == "json_object":  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
-            return c.compile_json_schema('{"type": "object"}')
-        if kind == "regex":
-            return c.compile_regex(spec)
-        if kind == "choice":
-            return c.compile_grammar(choice_grammar(list(params.choice or [])))
-        return c.compile_grammar(spec)
+    @property
+    def cache_limit_bytes(self) -> int:
+        return int(self._compiler.cache_limit_bytes)
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A matcher for ``params``' grammar, compiled once per spec. Thread-safe: the server compiles in worker
-        threads ahead of the engine thread, which then finds the grammar cached (a hit takes no lock)."""
+    def _compile_now(self, params: StructuredOutputsParams) -> CompiledGrammar:
         key = params.key()
-        compiled = self._cache.get(key)
-        if compiled is None:
-            with self._lock:
-                compiled = self._cache.get(key)
-                if compiled is None:
-                    try:
-                        compiled = self._compile(params)
-                    except (RuntimeError, ValueError, TypeError) as e:
-                        raise ValueError(f"structured_outputs.{key[0]} does not compile: {e}") from None
-                    if len(self._cache) >= CACHE_ENTRIES:
-                        self._cache.pop(next(iter(self._cache)))
-                    self._cache[key] = compiled
-        return XGrammarMatcher(compiled, self._vocab, self._shifts)
+        kind, spec = key
+        c = self._compiler
+        try:
+            if kind in ("json", "json_compact"):
+                handle = c.compile_json_schema(spec, any_whitespace=kind == "json")
+            elif kind == "json_object":  # an object, as OpenAI's json_object means (the builtin takes any value)
+                handle = c.compile_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                handle = c.compile_regex(spec)
+            elif kind == "choice":
+                handle = c.compile_grammar(choice_grammar(list(params.choice or [])))
+            else:
+                handle = c.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {e}") from None
+        return CompiledGrammar(key, handle)
+
+    def submit(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        self.limits.check(params)
+        key = params.key()
+        with self._lock:
+            running = self._running.get(key)
+            if running is not None:
+                return running
+            future = self._pool.submit(self._compile_now, params)
+            self._running[key] = future
+        future.add_done_callback(lambda _: self._done(key, future))
+        return future
+
+    def _done(self, key: tuple[str, str], future: Future[CompiledGrammar]) -> None:
+        with self._lock:
+            if self._running.get(key) is future:
+                del self._running[key]
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        future = self.submit(params)
+        try:
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except FutureTimeout:  # (the builtin TimeoutError from Python 3.11 on)
+            raise self.limits.timeout_error(params) from None
+
+    def matcher(self, params: StructuredOutputsParams, compiled: CompiledGrammar | None = None) -> GrammarMatcher:
+        """A matcher for ``params``' grammar. Thread-safe: the server compiles in worker threads ahead of the
+        engine thread and hands it the compiled grammar."""
+        compiled = compiled if compiled is not None else self.compile(params)
+        return XGrammarMatcher(compiled.handle, self._vocab, self._shifts)
+
+    def to_wire(self, compiled: CompiledGrammar) -> str:
+        if compiled.wire is None:
+            compiled.wire = compiled.handle.serialize_json()
+        return compiled.wire
+
+    def from_wire(self, key: tuple[str, str], wire: str) -> CompiledGrammar:
+        return CompiledGrammar(key, xgr.CompiledGrammar.deserialize_json(wire, self._info), wire)
 
 
 __all__ = ["XGrammarBackend", "XGrammarMatcher", "choice_grammar"]

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from leapdecode.atomic_files import file_digest, save_tensors_atomic, write_json_atomic
 from leapdecode.speculative.artifacts import write_record
 
 TENSOR_REF = "__tensor__"
 INT_KEYS = "__int_keys__"  # a dict whose keys were ints (an optimiser's per-parameter state)
 STATE_FILE = "state.json"
-TENSORS_FILE = "tensors.safetensors"
+TENSORS_FILE = "tensors.safetensors"  # the tensors of checkpoints written before they named their file
+CHECKPOINT_KEY = "__checkpoint__"  # in the JSON: which tensors file it pairs with, and its digest
 
 
 def warmup_cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
@@ -68,17 +70,19 @@ def join_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save_checkpoint(folder: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``folder`` (tensors + JSON, each written to a temporary file and moved into place, the
-    JSON last: a checkpoint whose JSON is present is complete)."""
+    """Write ``state`` to ``folder``: the tensors to a file of a new name, then the JSON that names it (with its
+    digest), each atomically (atomic_files.py), then the previous tensors file is removed. The JSON is the
+    manifest, written last: a crash at any point leaves the previous checkpoint or the new one, whole."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     doc = split_state(state, tensors)
-    tmp = folder / (TENSORS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, folder / TENSORS_FILE)
-    tmp = folder / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, folder / STATE_FILE)
+    name = f"tensors-{uuid.uuid4().hex[:12]}.safetensors"
+    save_tensors_atomic(folder / name, tensors)
+    write_json_atomic(folder / STATE_FILE, {CHECKPOINT_KEY: {"tensors": name, **file_digest(folder / name)},
+                                            "state": doc}, indent=None)
+    for old in [*folder.glob("tensors-*.safetensors"), folder / TENSORS_FILE]:
+        if old.name != name:
+            old.unlink(missing_ok=True)
 
 
 def has_checkpoint(folder: Path) -> bool:
@@ -90,7 +94,15 @@ def load_checkpoint(folder: Path, restart_flag: str) -> dict[str, Any]:
     ``restart_flag`` (the command's option to start over)."""
     try:
         doc = json.loads((folder / STATE_FILE).read_text())
-        tensors = load_file(str(folder / TENSORS_FILE))
+        meta = doc.pop(CHECKPOINT_KEY, None) if isinstance(doc, dict) else None
+        if meta is None:  # written before checkpoints named their tensors file
+            tensors = load_file(str(folder / TENSORS_FILE))
+        else:
+            path = folder / meta["tensors"]
+            if file_digest(path) != {"bytes": meta["bytes"], "sha256": meta["sha256"]}:
+                raise ValueError(f"{path.name} does not match the digest {STATE_FILE} holds")
+            tensors = load_file(str(path))
+            doc = doc["state"]
         state = join_state(doc, tensors)
     except Exception as e:  # a missing file, bad JSON, a dangling tensor reference, safetensors' own errors
         raise ValueError(f"the checkpoint in {folder} is unreadable ({type(e).__name__}: {e}); pass {restart_flag} "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from leapdecode.atomic_files import replace_in_folder
 from leapdecode.bench.prompts import load_prompt_set
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def tune_tree(heads_dir: Path, llm: LLM, prompts: list[str], max_tokens: int, ma
     cfg = json.loads((heads_dir / CONFIG_FILE).read_text())
     cfg.setdefault("tree_validation", cfg.get("tree"))
     cfg["tree"] = tree
-    (heads_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
+    replace_in_folder(heads_dir, CONFIG_FILE, json.dumps(cfg, indent=1).encode("utf-8"))
     log(f"tree from {len(ranks)} development positions: default {tree['default_nodes']} nodes; expected "
         "tokens/step " + ", ".join(f"{n}: {curve[n]:.2f}" for n in (1, 4, 8, 16, 32) if n < len(curve)))
     return tree

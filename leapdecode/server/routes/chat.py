@@ -113,7 +113,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         try:
             # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
             return await asyncio.to_thread(
-                serving.llm.apply_chat_template, conversation, tools, req.chat_template_kwargs
+                serving.llm.apply_chat_template, conversation, tools, req.chat_template_kwargs,
+                req.escape_special_tokens,
             )
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
             why = not_unicode([m["content"] for m in conversation]) or str(e)
@@ -144,18 +145,19 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req.check_supported()
         chosen = req.tool_constraint()
         tool: ToolConstraint = None if chosen == "auto" else chosen
-        tokens = await encode(req, chosen)
-        parser = output_parser(chosen, tokens)
-        extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
-        if tool is not None:
-            try:
-                extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
-            except ValueError as e:  # e.g. parameters nested too deeply
-                raise P.APIError(str(e), param="tools") from None
-        params = serving.sampling_params(req, len(tokens), "messages", **extra)
-        hold = max((len(stop) for stop in params.stop_list), default=1) - 1
-        outputs: dict[int, ChatOutputStream] = {}
-        streams = await serving.submit_all([(tokens, None)], [params], "messages")
+        with serving.admission():  # the queue cap, before tokenizing and compiling
+            tokens = await encode(req, chosen)
+            parser = output_parser(chosen, tokens)
+            extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
+            if tool is not None:
+                try:
+                    extra["structured_outputs"] = tool_constraint(req.tools or [], tool)
+                except ValueError as e:  # e.g. parameters nested too deeply
+                    raise P.APIError(str(e), param="tools") from None
+            params = serving.sampling_params(req, len(tokens), "messages", **extra)
+            hold = max((len(stop) for stop in params.stop_list), default=1) - 1
+            outputs: dict[int, ChatOutputStream] = {}
+            streams = await serving.submit_all([(tokens, None)], [params], "messages")
         rid, ts = P.random_id("chatcmpl"), P.now_s()
         n = req.n or 1
 
