@@ -59,17 +59,13 @@ def test_tiny_greedy_matches_one_rank(tp_tiny, tiny_llm):
     assert (w.num_heads, w.num_kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over the ranks
 
 
-def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir, tiny_llm):
+def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir):
     with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
         LLM(model=str(tiny_model_dir), kv_cache_blocks=16, tensor_parallel_size=2)
     # a request rank 0 refuses (its grammar does not compile) never reaches the worker, which would fail on it
     bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     with pytest.raises(ValueError, match="does not compile"):
         tp_tiny.engine.add_request([5, 6, 7], bad)
-    # the worker builds its matcher from rank 0's serialised grammar (it never compiles before a step)
-    choice = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(
-        regex="(yes|no)-[0-9]"))
-    assert tokens(tp_tiny, SPEC_PROMPTS[:2], choice) == tokens(tiny_llm, SPEC_PROMPTS[:2], choice)
     plain = tokens(tp_tiny, SPEC_PROMPTS)
     tp_tiny.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "use_cost_model": False})
     try:
