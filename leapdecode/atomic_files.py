@@ -1,4 +1,4 @@
-"""Crash-safe writes of the files leapdecode ships and resumes from (drafter artefacts, training checkpoints).
+"""Crash-safe writes of the files leapdecode ships and resumes from (drafter artifacts, training checkpoints).
 
 Every file is written to a temporary name in its folder, flushed to disk (``fsync``), then renamed over the old
 one (a rename is atomic), and the folder is synced so the rename itself survives a crash. A folder of several files

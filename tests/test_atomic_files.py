@@ -1,4 +1,4 @@
-"""Crash-safe writes (atomic_files.py): artefact folders carry a manifest written last and are refused when a write
+"""Crash-safe writes (atomic_files.py): artifact folders carry a manifest written last and are refused when a write
 was interrupted; checkpoints name their tensors file, so a crash before the JSON keeps the previous checkpoint whole;
 a failed write leaves the old file and no temporary one. Also: escaping special tokens in chat messages."""
 
