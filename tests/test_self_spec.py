@@ -210,7 +210,7 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     assert "self_spec" not in auto.engine.speculator.proposers
     monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", adapters["exact"])  # "ship" an adapter for this target
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
-    assert set(auto.engine.speculator.proposers) == {"ngram", "self_spec"}
+    assert set(auto.engine.speculator.proposers) == {"ngram", "suffix", "recycling", "self_spec"}
     assert _tokens(auto, PROMPTS, GREEDY) == want
     assert_no_leaks(auto)
     default = LLM.from_engine_of(plain4, speculative_config={"method": "self_spec", "use_cost_model": False},
@@ -226,7 +226,8 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     (poor / "config.json").write_text(json.dumps(cfg))
     monkeypatch.setattr(artifacts, "SELF_SPEC_DIR", poor)
     auto = LLM.from_engine_of(plain4, speculative_config={"method": "auto"}, kv_cache_blocks=256)
-    assert set(auto.engine.speculator.proposers) == {"ngram"} and auto.engine.speculator.dropped == {"self_spec": 0.02}
+    assert set(auto.engine.speculator.proposers) == {"ngram", "suffix", "recycling"}
+    assert auto.engine.speculator.dropped == {"self_spec": 0.02}
     assert not auto.engine.runner.captures
     assert _tokens(auto, PROMPTS, GREEDY) == want
 

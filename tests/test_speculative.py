@@ -193,7 +193,7 @@ def test_engine_drafts_the_dynamic_draft_length(plain_tiny):
 def test_auto_is_lossless_and_picks_among_methods(tiny_model_dir, plain_tiny):
     spec = LLM(model=str(tiny_model_dir), kv_cache_blocks=256,
                speculative_config={"method": "auto", "model": str(tiny_model_dir)})
-    assert set(spec.engine.speculator.proposers) == {"ngram", "draft_model"}
+    assert set(spec.engine.speculator.proposers) == {"ngram", "suffix", "recycling", "draft_model"}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert _texts(spec, PROMPTS, params) == _texts(plain_tiny, PROMPTS, params)
     assert_no_leaks(spec)

@@ -22,6 +22,8 @@ One step, as the speculator drives it (speculator.py), for the sequences the sch
    is also called after *every* step that committed tokens to a running sequence, whoever drafted or none:
    ``observe(seq, hidden)``, with the target's final hidden state at the row that produced the last committed
    token; ``seq.token_ids`` then ends with the tokens this step committed (what an index of the text appends).
+   One that declares ``observes_rows = True`` gets the target's raw logits at every verified row of every
+   sequence, whoever drafted, and at the row of every plain step: ``observe_rows(seq, tokens, logits)``.
 
 Per-request state (indexes, caches, estimates) lives in the proposer, keyed by ``seq.request_id``, and is freed
 by ``release(seq)``, which the speculator calls when the request finishes, is aborted or is preempted (a preempted
@@ -102,6 +104,9 @@ class Proposer(ABC):
     name: str = "proposer"
     #: True: ``observe`` is called after every step that committed tokens to a running sequence (module docstring)
     observes: bool = False
+    #: True: ``observe_rows`` is called with the target's logits at every row a step verified (whoever drafted) and
+    #: at the last row of every plain decoding step
+    observes_rows: bool = False
     #: True: draft exactly what ``tree_budget`` asks every step, never switched off by the engine's step-cost
     #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
     #: how fast this machine happened to be when the cost model was calibrated)
@@ -156,6 +161,11 @@ class Proposer(ABC):
         """Called, for drafters that declare ``observes``, after each step that committed tokens to ``seq`` (not
         finished), with the target's final hidden state at the position whose logits produced the last committed
         token. Drafters that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
+
+    def observe_rows(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:  # noqa: B027
+        """For drafters that declare ``observes_rows``: the target's raw logits ``[len(tokens), vocab]`` at rows of
+        ``seq`` whose input tokens were ``tokens`` (a verification: the root, then every draft, accepted or not; a
+        plain step: its one row). Token Recycling's successor matrix learns from them."""
 
     def verify_chain(
         self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None

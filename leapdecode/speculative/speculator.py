@@ -276,6 +276,10 @@ class Speculator:
             self._count_positions(len(seq.draft_token_ids), len(st.accepted_path))
         # only drafters that declare they observe (heads) are called: indexing the row costs ~5 us a call, paid
         # per sequence and drafter on every step, and most drafters ignore it
+        rows = [p for p in self.proposers.values() if p.observes_rows]
+        if rows and not seq.draft_token_ids and not seq.is_finished and seq.num_tokens >= 2:
+            for prop in rows:  # a plain step: its one row's input was the token before the new one
+                prop.observe_rows(seq, [seq.token_ids[-2]], res.logits[-1:])
         watchers = [p for p in self.proposers.values() if p.observes]
         if watchers and not seq.is_finished and res.hidden.numel():
             hidden = res.hidden[row]
@@ -315,6 +319,9 @@ class Speculator:
         assert st.method is not None, "verify() of a sequence that did not draft"
         prop = self.proposers[st.method]
         drafted = len(seq.draft_token_ids)
+        for watcher in self.proposers.values():  # rows: the root (the last committed token), then each draft
+            if watcher.observes_rows:
+                watcher.observe_rows(seq, [seq.token_ids[-1], *seq.draft_token_ids], res.logits)
         if st.tree_parents is not None:
             tokens, path, logits = self._walk_tree(seq, res, prop, st.tree_parents)
             self._compact(seq, path)

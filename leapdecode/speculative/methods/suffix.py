@@ -1,0 +1,371 @@
+"""Suffix drafting (SuffixDecoding, Oliaro et al. 2024): draft trees from what followed the sequence's latest
+tokens elsewhere in its own prompt and output, or in recent requests' outputs. No trained artefact: any model.
+
+The index is a suffix trie cut at ``max_depth`` tokens: every substring of at most that length of the indexed
+text is a path from the root, and each node counts the occurrences of its substring. Two of them:
+
+- per request, over its prompt and output, extended by each committed token (``max_depth`` nodes touched per
+  token, through the list of nodes that end at the newest token);
+- one per engine (one served model) over the outputs of recent finished requests, bounded in memory: whole
+  requests leave oldest-first (their substrings' counts taken back, empty nodes freed) while the trie's measured
+  size is above ``global_cache_mb``; it can be saved to and loaded from ``suffix_cache_path``. A request
+  contributes only if ``global_tree`` is on (the engine's setting; a server serving several users can turn it
+  off so no request's text can be drafted into another's).
+
+Drafting matches the longest suffix of the sequence (at most ``max_match`` tokens) that occurred before with a
+continuation, then grows a tree best-first from that node by the empirical probability of each continuation
+(a child's count over its siblings' total, multiplied along the path), keeping nodes above ``min_token_prob``,
+at most ``max_spec_factor`` nodes per matched token (a longer match is a more reliable one) and at most what the
+step-cost model finds pays. The per-request and the global tree each propose; the one with the larger expected
+accepted length drafts. Verification is the engine's tree verifier (lossless).
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from leapdecode.config import SpeculativeConfig
+from leapdecode.engine.sequence import Sequence
+from leapdecode.speculative.method import AutoUse, Method
+from leapdecode.speculative.methods.recycling import Node, best_size
+from leapdecode.speculative.options import check, is_int, is_prob
+from leapdecode.speculative.proposer import Proposal, Proposer, StepCost, Verification
+
+NODE_BYTES = 260  # Python bytes per trie node, measured with tracemalloc (object, child dict, parent entry)
+TEXT_BYTES = 150  # a kept text's array and its entry in the cache's order
+MAX_NODES = 32  # the largest tree ever sized
+DEFAULT_NODES = 8  # tree size without a step-cost model
+SAVE_EVERY = 64  # finished requests between writes of the global trie to suffix_cache_path
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """Tries cut at ``max_depth`` tokens; a match of at most ``max_match`` tokens; at most ``max_spec_factor`` tree
+    nodes per matched token, none below ``min_token_prob``; ``tree_nodes`` fixes the size cap (None: the step-cost
+    model); ``global_tree``: finished requests' outputs join the engine's trie that every request drafts from
+    (off: each request drafts from its own text only); ``global_cache_mb`` bounds that trie (oldest requests
+    leave first); ``suffix_cache_path`` saves and loads it."""
+
+    max_depth: int = 24
+    max_match: int = 16
+    max_spec_factor: float = 2.0
+    min_token_prob: float = 0.1
+    tree_nodes: int | None = None
+    global_tree: bool = True
+    global_cache_mb: float = 64.0
+    suffix_cache_path: str | None = None
+
+    def __post_init__(self) -> None:
+        check(is_int(self.max_depth, 2), f"max_depth must be an integer >= 2, got {self.max_depth!r}")
+        check(is_int(self.max_match, 1), f"max_match must be an integer >= 1, got {self.max_match!r}")
+        for key in ("max_spec_factor", "global_cache_mb"):
+            v = getattr(self, key)
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                  f"{key} must be a positive number, got {v!r}")
+        check(is_prob(self.min_token_prob), f"min_token_prob must be a number in [0, 1], got {self.min_token_prob!r}")
+        check(self.tree_nodes is None or is_int(self.tree_nodes, 0),
+              f"tree_nodes must be an integer >= 0, got {self.tree_nodes!r}")
+        check(isinstance(self.global_tree, bool), f"global_tree must be true or false, got {self.global_tree!r}")
+        check(self.suffix_cache_path is None or isinstance(self.suffix_cache_path, str),
+              f"suffix_cache_path must be a file path, got {self.suffix_cache_path!r}")
+
+
+class TrieNode:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, TrieNode] | None = None
+
+
+class SuffixTrie:
+    """Occurrence counts of every substring of at most ``max_depth`` tokens of the inserted texts."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = TrieNode()
+        self.num_nodes = 0
+
+    def _child(self, node: TrieNode, token: int) -> TrieNode:
+        if node.children is None:
+            node.children = {}
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = TrieNode()
+            self.num_nodes += 1
+        return child
+
+    def extend(self, active: list[TrieNode], token: int) -> list[TrieNode]:
+        """Append ``token`` to a text whose suffixes (lengths 1.., shorter first, below ``max_depth``) end at the
+        nodes ``active``; returns the new text's suffix nodes."""
+        new = [self._child(self.root, token)]
+        new[0].count += 1
+        for node in active[: self.max_depth - 1]:
+            child = self._child(node, token)
+            child.count += 1
+            new.append(child)
+        return new[: self.max_depth - 1]
+
+    def add(self, tokens: list[int]) -> None:
+        active: list[TrieNode] = []
+        for t in tokens:
+            active = self.extend(active, t)
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take back a text ``add`` inserted: every substring's count drops by one; nodes at zero are freed."""
+        d = self.max_depth
+        for i in range(len(tokens)):
+            node = self.root
+            for t in tokens[i : i + d]:
+                assert node.children is not None and t in node.children, "removing a text that was not added"
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    self.num_nodes -= self._size(child)
+                    del node.children[t]
+                    break
+                node = child
+
+    def _size(self, node: TrieNode) -> int:
+        n, stack = 0, [node]
+        while stack:
+            x = stack.pop()
+            n += 1
+            if x.children:
+                stack.extend(x.children.values())
+        return n
+
+    def match(self, context: list[int], max_match: int) -> tuple[TrieNode | None, int]:
+        """The node of the longest suffix of ``context`` (at most ``max_match`` tokens) that occurred with a
+        continuation, and its length (0: none). Such suffixes are nested (a suffix of one that occurred with a
+        continuation did too), so the search stops at the first length that fails."""
+        best: TrieNode | None = None
+        length = 0
+        for m in range(1, min(max_match, len(context), self.max_depth - 1) + 1):
+            node: TrieNode | None = self.root
+            for t in context[len(context) - m :]:
+                node = node.children.get(t) if node is not None and node.children else None
+                if node is None:
+                    break
+            if node is None or not node.children:
+                break
+            best, length = node, m
+        return best, length
+
+    def draft(self, node: TrieNode, max_nodes: int, min_prob: float, max_depth: int) -> list[Node]:
+        """Best-first continuations of ``node`` by path probability (children counts over their total), parents
+        first; no node below ``min_prob`` or deeper than ``max_depth``."""
+        out: list[Node] = []
+        heap: list[tuple[float, int, int, int, TrieNode, int]] = []
+        seq = 0
+
+        def push(parent_node: TrieNode, parent: int, score: float, depth: int) -> None:
+            nonlocal seq
+            kids = parent_node.children
+            if not kids or depth > max_depth:
+                return
+            total = sum(c.count for c in kids.values())
+            for t, c in kids.items():
+                s = score * c.count / total
+                if s >= min_prob:
+                    heapq.heappush(heap, (-s, seq, t, parent, c, depth))
+                    seq += 1
+
+        push(node, -1, 1.0, 1)
+        while heap and len(out) < max_nodes:
+            neg, _, t, parent, c, depth = heapq.heappop(heap)
+            out.append(Node(t, parent, -neg))
+            push(c, len(out) - 1, -neg, depth + 1)
+        return out
+
+    def memory_bytes(self) -> int:
+        return self.num_nodes * NODE_BYTES
+
+
+class GlobalSuffixCache:
+    """The engine's trie over recent requests' outputs, bounded by ``cap_mb``: requests leave oldest-first."""
+
+    def __init__(self, max_depth: int, cap_mb: float, path: str | None = None) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.cap_bytes = int(cap_mb * 2**20)
+        self.texts: OrderedDict[str, array] = OrderedDict()  # request -> its output (int32s)
+        self.num_tokens = 0
+        self.path = path
+        self.num_evicted = 0
+        if path is not None and Path(path).exists():
+            for key, tokens in torch.load(path, weights_only=True).items():
+                self.add(key, list(tokens))
+
+    def add(self, key: str, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if key in self.texts:
+            self._drop(key)
+        self.texts[key] = array("i", tokens)
+        self.num_tokens += len(tokens)
+        self.trie.add(tokens)
+        while self.memory_bytes() > self.cap_bytes and self.texts:
+            self._drop(next(iter(self.texts)))
+            self.num_evicted += 1
+
+    def _drop(self, key: str) -> None:
+        old = self.texts.pop(key)
+        self.num_tokens -= len(old)
+        self.trie.remove(old.tolist())
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save({k: v.tolist() for k, v in self.texts.items()}, tmp)
+        tmp.replace(path)
+
+    def memory_bytes(self) -> int:
+        """The trie's estimate plus the kept texts (int32 arrays, ~TEXT_BYTES of bookkeeping each)."""
+        return self.trie.memory_bytes() + 4 * self.num_tokens + TEXT_BYTES * len(self.texts)
+
+
+@dataclass
+class RequestIndex:
+    """A request's own trie over its prompt and output, and what it drafted last."""
+
+    trie: SuffixTrie
+    active: list[TrieNode] = field(default_factory=list)
+    done: int = 0  # tokens indexed
+    grown: tuple[int, list[Node]] = (-1, [])  # (sequence length, the tree) of the last sizing
+    drafted: list[Node] = field(default_factory=list)
+
+
+class SuffixProposer(Proposer):
+    """Trees from the request's own trie and the engine's global one. Per request (keyed by request id) it keeps
+    its trie and last tree; the global cache is the engine's."""
+
+    name = "suffix"
+
+    def __init__(self, opts: SuffixOptions | None = None) -> None:
+        self.opts = opts = opts or SuffixOptions()
+        self.cache = GlobalSuffixCache(opts.max_depth, opts.global_cache_mb, opts.suffix_cache_path) \
+            if opts.global_tree or opts.suffix_cache_path is not None else None
+        self._requests: dict[str, RequestIndex] = {}
+        # accepted nodes over the path probabilities' sum, over recent verifications (calibrates expectations)
+        self._accepted_sum, self._predicted_sum = 1.0, 1.0
+        self.num_released = 0
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig) -> SuffixProposer:
+        return cls(cfg.options(SuffixOptions))
+
+    # ------------------------------------------------------------------------------------------ indexing
+    def _index(self, seq: Sequence) -> RequestIndex:
+        idx = self._requests.get(seq.request_id)
+        if idx is None:
+            idx = self._requests[seq.request_id] = RequestIndex(SuffixTrie(self.opts.max_depth))
+        toks = seq.token_ids
+        for t in toks[idx.done :]:
+            idx.active = idx.trie.extend(idx.active, t)
+        idx.done = len(toks)
+        return idx
+
+    def grow(self, seq: Sequence) -> list[Node]:
+        """``seq``'s best tree this step (cached per sequence length): from its own trie and the global one, the
+        one with the larger expected accepted length."""
+        idx = self._index(seq)
+        if idx.grown[0] == seq.num_tokens:
+            return idx.grown[1]
+        o = self.opts
+        ctx = seq.token_ids[-o.max_match :]
+        best: list[Node] = []
+        tries = [idx.trie] + ([self.cache.trie] if self.cache is not None else [])
+        for trie in tries:
+            node, length = trie.match(ctx, o.max_match)
+            if node is None:
+                continue
+            limit = min(MAX_NODES, max(1, int(o.max_spec_factor * length)))
+            if o.tree_nodes is not None:
+                limit = min(limit, o.tree_nodes)
+            nodes = trie.draft(node, limit, o.min_token_prob, o.max_depth - length)
+            if sum(n.score for n in nodes) > sum(n.score for n in best):
+                best = nodes
+        idx.grown = (seq.num_tokens, best)
+        return best
+
+    # ------------------------------------------------------------------------------------------ sizing
+    def has_draft(self, seq: Sequence) -> bool:
+        return bool(self.grow(seq))
+
+    def calibration(self) -> float:
+        return min(1.0, self._accepted_sum / max(self._predicted_sum, 1e-9))
+
+    def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float]:
+        nodes = self.grow(seq)
+        c = self.calibration()
+        curve = [1.0]
+        for n in nodes:
+            curve.append(curve[-1] + c * n.score)
+        if self.opts.tree_nodes is not None:
+            k = self.opts.tree_nodes
+        elif cost is None:
+            k = DEFAULT_NODES
+        else:
+            k = best_size(curve, cost, batch, MAX_NODES)
+        k = max(0, min(k, room, len(nodes)))
+        return k, curve[k]
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, budgets):
+            nodes = self.grow(seq)[:k] if k > 0 else []
+            self._index(seq).drafted = nodes
+            out.append(Proposal([n.token for n in nodes], None, [n.parent for n in nodes]) if nodes
+                       else Proposal([]))
+        return out
+
+    # ------------------------------------------------------------------------------------------ learning
+    def on_verified(self, seq: Sequence, result: Verification) -> None:
+        idx = self._requests.get(seq.request_id)
+        if idx is None or not idx.drafted:
+            return
+        decay = 0.98
+        self._accepted_sum = decay * self._accepted_sum + result.num_accepted
+        self._predicted_sum = decay * self._predicted_sum + sum(n.score for n in idx.drafted)
+        idx.drafted = []
+
+    def release(self, seq: Sequence) -> None:
+        """The request is done: its trie is freed; its output joins the global trie (``global_tree``)."""
+        self._requests.pop(seq.request_id, None)
+        if self.cache is None or not self.opts.global_tree:
+            return
+        self.cache.add(seq.request_id, list(seq.token_ids[seq.num_prompt_tokens :]))
+        self.num_released += 1
+        if self.opts.suffix_cache_path is not None and self.num_released % SAVE_EVERY == 0:
+            self.cache.save()
+
+    def save(self) -> None:
+        if self.cache is not None:
+            self.cache.save()
+
+    def memory_bytes(self) -> int:
+        own = sum(idx.trie.memory_bytes() for idx in self._requests.values())
+        return own + (self.cache.memory_bytes() if self.cache is not None else 0)
+
+
+METHOD = Method(
+    name="suffix",
+    options=(SuffixOptions,),
+    shared=frozenset({"use_cost_model"}),
+    build=lambda cfg, view, auto: SuffixProposer.from_config(cfg),
+    # training-free: usable on any model; under auto with its default options
+    auto=AutoUse("separate", rank=2, usable=lambda cfg, target: True),
+)
+
+__all__ = ["METHOD", "GlobalSuffixCache", "SuffixOptions", "SuffixProposer", "SuffixTrie", "TrieNode"]

@@ -1,0 +1,151 @@
+"""Suffix drafting (speculative/methods/suffix.py): the suffix trie, the bounded global cache, losslessness."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections import Counter
+
+import pytest
+
+from leapdecode import LLM, SamplingParams
+from leapdecode.speculative.methods.suffix import GlobalSuffixCache, SuffixOptions, SuffixProposer, SuffixTrie
+from leapdecode.speculative.registry import parse_config
+from leapdecode.speculative.tree import depths_of
+
+from .conftest import SPEC_PROMPTS, assert_no_leaks, assert_same_distribution
+
+
+def _substring_counts(texts: list[list[int]], depth: int) -> Counter:
+    out: Counter = Counter()
+    for t in texts:
+        for i in range(len(t)):
+            for j in range(i + 1, min(len(t), i + depth) + 1):
+                out[tuple(t[i:j])] += 1
+    return out
+
+
+def _trie_counts(trie: SuffixTrie) -> Counter:
+    out: Counter = Counter()
+    stack = [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, c in (node.children or {}).items():
+            out[(*path, t)] = c.count
+            stack.append(((*path, t), c))
+    return out
+
+
+def test_trie_counts_every_substring_and_removal_takes_them_back():
+    texts = [[1, 2, 3, 1, 2, 4], [2, 3, 1, 2, 3], [5, 5, 5, 5]]
+    trie = SuffixTrie(max_depth=3)
+    for t in texts:
+        trie.add(t)
+    assert _trie_counts(trie) == _substring_counts(texts, 3)
+    assert trie.num_nodes == len(_substring_counts(texts, 3))
+    trie.remove(texts[0])
+    assert _trie_counts(trie) == _substring_counts(texts[1:], 3)
+    assert trie.num_nodes == len(_substring_counts(texts[1:], 3))
+    # incremental extension (the per-request trie) builds the same counts
+    inc = SuffixTrie(max_depth=3)
+    active: list = []
+    for t in texts[1]:
+        active = inc.extend(active, t)
+    assert _trie_counts(inc) == _substring_counts([texts[1]], 3)
+
+
+def test_match_and_frequency_scored_tree():
+    trie = SuffixTrie(max_depth=8)
+    trie.add([7, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 1, 2])
+    node, length = trie.match([5, 9, 1, 2], max_match=6)
+    assert length == 3  # "9 1 2" occurred twice with a continuation (-> 3, -> 4); "5 9 1 2" never
+    nodes = trie.draft(node, max_nodes=10, min_prob=0.1, max_depth=4)
+    assert nodes[0].score == pytest.approx(0.5) and nodes[1].score == pytest.approx(0.5)
+    # "1 2" is followed by 3 twice, by 4 once (and once by the text's end): 3 first
+    short, n = trie.match([1, 2], max_match=6)
+    assert n == 2 and trie.draft(short, 4, 0.1, 4)[0].token == 3
+    assert trie.draft(short, 4, 0.1, 4)[0].score == pytest.approx(2 / 3)
+    assert {n.token for n in nodes if n.parent == -1} == {3, 4}
+    depths_of([n.parent for n in nodes])  # parents first
+    assert all(n.score <= (nodes[n.parent].score if n.parent >= 0 else 1.0) for n in nodes)
+    assert trie.match([8, 8], 4) == (None, 0)
+
+
+def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):
+    """1,000 requests of 60 tokens each (a few shared phrases, the rest their own): the estimate of the trie's
+    bytes stays under the cap by dropping the oldest requests, and it is not below what Python really holds."""
+    cap_mb = 2.0
+    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for r in range(1000):
+        text = [(r * 37 + i * 11) % 5000 for i in range(40)] + [1, 2, 3, 4, 5] * 4
+        cache.add(f"req-{r}", text)
+        assert cache.memory_bytes() <= cap_mb * 2**20
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert cache.num_evicted > 0 and len(cache.texts) < 1000
+    # the estimate is what Python really holds, within a margin
+    assert 0.75 * held <= cache.memory_bytes() <= 1.5 * held, (cache.trie.num_nodes, cache.memory_bytes(), held)
+    cache.save()
+    again = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
+    assert _trie_counts(again.trie) == _trie_counts(cache.trie)
+
+
+def test_options_are_typed_and_unknown_keys_refused():
+    cfg = parse_config({"method": "suffix", "global_tree": False, "max_spec_factor": 1.5})
+    opts = cfg.options(SuffixOptions)
+    assert not opts.global_tree and opts.max_spec_factor == 1.5
+    with pytest.raises(ValueError, match="global_cache_mb"):
+        parse_config({"method": "suffix", "global_cache_mb": 0})
+    with pytest.raises(ValueError, match="unknown speculative option 'top_k'"):
+        parse_config({"method": "suffix", "top_k": 3})
+
+
+# ---------------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), kv_cache_blocks=512, max_num_seqs=16)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_suffix_is_token_identical_and_the_global_tree_helps_a_repeat(plain):
+    spec = LLM.from_engine_of(plain, speculative_config={"method": "suffix", "use_cost_model": False},
+                              block_size=4)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                             repetition_penalty=1.3 if i == 2 else 1.0) for i in range(len(SPEC_PROMPTS))]
+    want = _ids(plain.generate(SPEC_PROMPTS, params, use_tqdm=False))
+    first = spec.generate(SPEC_PROMPTS, params, use_tqdm=False)
+    assert _ids(first) == want
+    again = spec.generate(SPEC_PROMPTS, params, use_tqdm=False)  # the same requests: their outputs are indexed
+    assert _ids(again) == want
+    assert sum(o.metrics.num_accepted_tokens for o in again) > sum(o.metrics.num_accepted_tokens for o in first)
+    prop = spec.engine.speculator.proposer
+    assert isinstance(prop, SuffixProposer) and len(prop.cache.texts) == 2 * len(SPEC_PROMPTS)
+    assert not prop._requests  # per-request tries freed
+    assert_no_leaks(spec)
+    private = LLM.from_engine_of(plain, speculative_config={"method": "suffix", "use_cost_model": False,
+                                                            "global_tree": False})
+    private.generate(SPEC_PROMPTS, params, use_tqdm=False)
+    assert private.engine.speculator.proposer.cache is None
+
+
+def test_sampled_suffix_matches_plain_sampling_distribution(plain):
+    spec = LLM.from_engine_of(plain, speculative_config={"method": "suffix", "use_cost_model": False})
+    prompt = "a b c a b c a b"
+    seeded = [SamplingParams(temperature=1.0, top_k=8, max_tokens=12, seed=40 + i, ignore_eos=True)
+              for i in range(4)]
+    assert _ids(spec.generate([prompt] * 4, seeded, use_tqdm=False)) == \
+        _ids(plain.generate([prompt] * 4, seeded, use_tqdm=False))
+    assert_same_distribution(plain, spec)
+
+
+def test_auto_on_a_model_without_artefacts_chooses_among_the_training_free_drafters(plain):
+    spec = LLM.from_engine_of(plain, speculative_config={"method": "auto"})
+    assert set(spec.engine.speculator.proposers) == {"ngram", "suffix", "recycling"}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = _ids(plain.generate(SPEC_PROMPTS, params, use_tqdm=False))
+    assert _ids(spec.generate(SPEC_PROMPTS * 2, params, use_tqdm=False)) == want * 2
+    assert_no_leaks(spec)
