@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from leapdecode import LLM, SamplingParams, StructuredOutputsParams
-from leapdecode.engine.worker import apply
+from leapdecode.engine.worker import AddRequest, apply
 from leapdecode.structured import GrammarLimitError, GrammarLimits
 from leapdecode.structured.limits import json_depth, regex_depth
 
@@ -108,7 +108,7 @@ def test_worker_takes_rank0s_compiled_grammar(llm, backend, monkeypatch):
     wire = backend.to_wire(backend.compile(so))
     forbid_compiles(monkeypatch, backend)
     params = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=so)
-    apply(llm.engine, ("add", [5, 6, 7], params, "from-rank0", None, wire))
+    apply(llm.engine, AddRequest([5, 6, 7], params, "from-rank0", None, wire))
     outs = []
     while llm.engine.has_unfinished_requests():
         outs += llm.engine.step()

@@ -220,7 +220,8 @@ def test_config_errors_and_auto_uses_a_shipped_adapter_only_for_its_target(adapt
     poor = tmp_path / "poor"
     poor.mkdir()
     for f in adapters["exact"].iterdir():
-        (poor / f.name).write_bytes(f.read_bytes())
+        if f.name != "checksums.json":  # edited by hand below: a folder without a manifest loads as before
+            (poor / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((poor / "config.json").read_text())
     cfg["validation"] = {"agree": 0.02, "agree_confident": 0.02}
     (poor / "config.json").write_text(json.dumps(cfg))
