@@ -163,7 +163,8 @@ def test_auto_constraints_are_typed_options():
 
 def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, plain_tiny):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
+                                                                "methods": ["ngram", "draft_model"]})
     # verification as cheap as a plain step, so drafting pays whatever this machine's timing
     spec.engine.speculator.cost = StepCostModel([(1, 1.0), (65, 1.0)])
     outs = spec.generate(PROMPTS, params, use_tqdm=False)
@@ -178,14 +179,16 @@ def test_auto_reports_its_route_per_request_and_stays_lossless(tiny_model_dir, p
     assert_no_leaks(spec)
     # a memory budget below the draft model's size leaves it out, and the route says so
     small = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
-                                                               "memory_budget_mb": 0.5})
+                                                               "memory_budget_mb": 0.5,
+                                                               "methods": ["ngram", "draft_model"]})
     small.engine.speculator.cost = StepCostModel([(1, 1.0), (65, 1.0)])
     m = small.generate(PROMPTS[:1], params, use_tqdm=False)[0].metrics
     assert "[ngram]" in m.route and "draft_model holds" in m.route and set(m.draft_methods) <= {"ngram"}
 
 
 def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
-    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
+                                                                "methods": ["ngram", "draft_model"]})
     sp = spec.engine.speculator
     seq = _Seq([5, 6, 7])
     seq.metrics = type("M", (), {"route": None})()  # type: ignore[attr-defined]
@@ -202,7 +205,8 @@ def test_a_switch_restarts_the_drafter_estimates(tiny_model_dir, plain_tiny):
 def test_a_drafter_with_nothing_to_propose_sits_the_step_out_unpenalised(tiny_model_dir, plain_tiny):
     """Prompt lookup without a match is no candidate for the step (the next drafter takes it, or nobody), and its
     acceptance estimate stays where it was, so it drafts again at the next match."""
-    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir)})
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "auto", "model": str(tiny_model_dir),
+                                                                "methods": ["ngram", "draft_model"]})
     sp = spec.engine.speculator
     sp.cost = StepCostModel([(1, 1.0), (65, 1.0)])  # verification as cheap as a plain step: drafting pays
     sp.proposers["draft_model"].step_cost_fn = lambda n: 0.0
@@ -270,7 +274,7 @@ def test_a_task_starts_where_its_earlier_requests_measured():
 
 def test_generate_explain_prints_the_route(tiny_model_dir, capsys):
     assert main(["generate", "a b c a b c a b", "--model", str(tiny_model_dir), "--max-tokens", "6",
-                 "--speculative-config", '{"method": "auto"}', "--explain"]) == 0
+                 "--speculative-config", '{"method": "auto", "methods": ["ngram"]}', "--explain"]) == 0
     err = capsys.readouterr().err
     assert "[route: task=chat; lossless -> change allowed: Medusa [ngram]" in err and "domain switches: 0" in err
     rows = [Row("leapdecode", "auto", 1, 2, 10, 1.0, 1.0, 1.0, routes={"task=chat; x": 2},

@@ -206,6 +206,6 @@ def test_serve_exposes_the_engine_options(tiny_model_dir: Any, tmp_path: Any) ->
     assert templated == tok.encode("<<hey>>", add_special_tokens=False)
     assert resolve_dtype("auto", "cpu", str(tiny_model_dir)) == "float32"
     assert resolve_dtype("bfloat16", "cpu", str(tiny_model_dir)) == "bfloat16"
-    assert resolve_dtype("auto", "cuda", str(tiny_model_dir)) == "float32"  # saved as float32
+    assert resolve_dtype("auto", "cuda", str(tiny_model_dir)) == "bfloat16"  # float32 saved: bf16 on a GPU
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-cache-dtype", "int4"])

@@ -307,8 +307,8 @@ def test_a_poisoned_request_fails_alone_beside_streams_in_flight(
     real, in_flight = backend.matcher, []
     poison = {"regex": "[a-z ]+"}
 
-    def matcher(params: Any) -> Any:
-        m = real(params)
+    def matcher(params: Any, compiled: Any = None) -> Any:
+        m = real(params, compiled)
         return Exploding(m, "accept", 6, lambda: in_flight.append(len(eng.requests))) if params.regex else m
 
     monkeypatch.setattr(backend, "matcher", matcher)

@@ -96,6 +96,7 @@ OPERATIONS = [
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("POST", "/tokenize"),
+    ("POST", "/v1/embeddings"),
     ("POST", "/detokenize"),
     ("GET", "/tokenizer_info"),
     ("GET", "/version"),
