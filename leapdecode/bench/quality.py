@@ -17,7 +17,10 @@ branch) scores exactly as plain decoding does: its perplexity and accuracy are m
 construction, which the table shows) and its cost is in the agreement column. Lossless methods are
 token-identical to plain decoding (the report's identity column), so every column is plain decoding's.
 
-    python -m leapdecode.bench.quality --out docs/bench/report/quality
+    python -m leapdecode.bench.quality --out docs/bench/report
+
+Resumable: each option's result is kept in ``OUT/quality.partial.json`` as it is measured, and rerunning the same
+command continues with the next option.
 """
 
 from __future__ import annotations
@@ -131,6 +134,19 @@ def quality_markdown(results: list[QualityResult], hw: str, command: str, mt_pro
     return "\n".join(lines) + "\n"
 
 
+PARTIAL_FILE = "quality.partial.json"  # the options measured so far: rerunning the command continues
+
+
+def load_partial(path: Path, settings: dict[str, int]) -> dict[str, Any]:
+    """What an interrupted run with the same settings measured (its reference completions and results), else a
+    fresh start."""
+    if path.is_file():
+        doc = json.loads(path.read_text())
+        if doc.get("settings") == settings:
+            return doc
+    return {"settings": settings, "results": {}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for quality.md and quality.json")
@@ -150,20 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_questions(data / "mt_bench" / "question.jsonl", args.mt_bench)
     items = wikitext_items(data / "wikitext2" / "valid.txt", args.mc_items)
     tokens = load_tokens(base.get_tokenizer(), data / "wikitext2" / "test.txt", args.ppl_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"mt_bench": len(prompts), "max_tokens": args.max_tokens, "mc_items": len(items),
+                "ppl_tokens": len(tokens)}
+    done = load_partial(out / PARTIAL_FILE, settings)
     results: list[QualityResult] = []
-    ref: list[list[int]] | None = None
+    ref: list[list[int]] | None = done.get("reference")
     for label in labels:
+        if label in done["results"]:  # measured by an earlier, interrupted run with the same settings
+            results.append(QualityResult(**done["results"][label]))
+            continue
         res, outs = measure_option(label, base, ref, prompts, items, tokens, args.max_tokens)
         ref = ref or outs
         results.append(res)
+        done["results"][label] = asdict(res)
+        done["reference"] = ref
+        (out / PARTIAL_FILE).write_text(json.dumps(done))
         print(json.dumps(asdict(res)), flush=True)
     hw = machine_info()
     command = "python -m leapdecode.bench.quality " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "quality.md").write_text(quality_markdown(results, hw, command.strip(), len(prompts), args.max_tokens))
-    (out / "quality.json").write_text(json.dumps({"hardware": hw, "results": [asdict(r) for r in results]},
-                                                 indent=1) + "\n")
+    (out / "quality.json").write_text(json.dumps({"hardware": hw, "settings": settings,
+                                                  "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
     return 0
 
 

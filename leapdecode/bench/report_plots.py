@@ -2,13 +2,16 @@
 position, time per token against context length, memory against batch. Each title names the model and hardware.
 
 :func:`report_figures` builds them from the report's JSON (``report.json``), so what is drawn is exactly what
-the JSON holds (tests/test_report.py reads the series back off the figures); :func:`write_plots` saves them.
+the JSON holds (tests/test_report.py reads the series back off the figures); :func:`write_plots` saves them, and
+``python -m leapdecode.bench.report_plots DIR`` redraws a report's PNGs from its report.json.
 Every series of a plot has its own colour (a 20-colour qualitative map, not the 10-colour default cycle that
 repeated the first colour at the eleventh series) and its own marker; long titles wrap to fit the figure.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -97,4 +100,24 @@ def write_plots(out: Path, title: str, data: dict[str, Any]) -> None:
         pyplot().close(fig)
 
 
-__all__ = ["PLOTS", "plotted_series", "pyplot", "report_figures", "series_style", "write_plots"]
+def plot_title(data: dict[str, Any]) -> str:
+    """The title every plot of a report carries: model and hardware (reports written before the JSON held it
+    are titled from its model and hardware fields, as the report titled them)."""
+    return data.get("plot_title") or f"{data['model']} on {data['hardware'].split(',')[0]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw a report's four PNGs from its report.json (the same numbers, today's plotting)."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("report", type=Path, help="a `leapdecode bench --report` folder")
+    args = ap.parse_args(argv)
+    data = json.loads((args.report / "report.json").read_text())
+    write_plots(args.report, plot_title(data), data)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["PLOTS", "plot_title", "plotted_series", "pyplot", "report_figures", "series_style", "write_plots"]
