@@ -155,9 +155,7 @@ def tp_bundled_plain(tp_bundled) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["self_spec", "draft_model", "eagle", "medusa", "blockwise", "hybrid"])
 def test_bundled_speculation_lossless(tp_bundled, tp_bundled_plain, method):
     engine = tp_bundled.engine
-    # blockwise drafts its whole block whatever the cost model says (it reads no use_cost_model)
-    engine.set_speculative_config({"method": method} if method == "blockwise" else
-                                  {"method": method, "use_cost_model": False})
+    engine.set_speculative_config({"method": method, "use_cost_model": False})
     try:
         before = engine.stats["num_draft_tokens"]
         assert tokens(tp_bundled, SPEC_PROMPTS[:2]) == tp_bundled_plain

@@ -108,8 +108,8 @@ class Proposer(ABC):
     #: at the last row of every plain decoding step
     observes_rows: bool = False
     #: True: draft exactly what ``tree_budget`` asks every step, never switched off by the engine's step-cost
-    #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
-    #: how fast this machine happened to be when the cost model was calibrated)
+    #: model (blockwise decoding's lossy top-k mode: its output must not depend on how fast this machine happened
+    #: to be when the cost model was calibrated)
     fixed_budget: bool = False
     #: per-token acceptance measured for this drafter on held-out data (a trained artifact's validation), or None;
     #: the speculator starts each sequence's estimate there instead of an optimistic default, and ``auto`` drops

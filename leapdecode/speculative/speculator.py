@@ -39,6 +39,11 @@ OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhe
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
+def _draft_depth(num_drafts: int, parents: list[int] | None) -> int:
+    """How many draft positions a proposal spans: a chain's length, a tree's depth."""
+    return num_drafts if parents is None else max(depths_of(parents), default=0)
+
+
 class Speculator:
     """Owns one proposer per usable method (one, or several for ``auto``) and decides per sequence and per step
     which method drafts and how many tokens, from each method's measured acceptance on that sequence and the
@@ -70,9 +75,10 @@ class Speculator:
         # these ~0.1-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
-        # chains verified, per draft position j: [drafts at j, of them accepted] (acceptance by draft position)
+        # drafts verified, per draft position j (a tree's depth j): [drafted at j, of them accepted] (acceptance by
+        # draft position; a tree counts as accepted at depth j when its accepted path reached it)
         self.position_counts: list[list[int]] = []
-        # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
+        # fixed-budget drafters (blockwise top-k) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
         if (cfg.use_cost_model or cfg.method == AUTO) and sized_by_cost:
             self.cost = calibrate_target(view.runner, view.block_manager)
@@ -272,8 +278,8 @@ class Speculator:
         last row after plain sampling)."""
         st = self.draft_state(seq)
         row, st.hidden_row = st.hidden_row, -1
-        if seq.draft_token_ids and st.tree_parents is None:  # a chain was verified this step
-            self._count_positions(len(seq.draft_token_ids), len(st.accepted_path))
+        if seq.draft_token_ids:  # a chain (its positions) or a tree (its depths) was verified this step
+            self._count_positions(_draft_depth(len(seq.draft_token_ids), st.tree_parents), len(st.accepted_path))
         # only drafters that declare they observe (heads) are called: indexing the row costs ~5 us a call, paid
         # per sequence and drafter on every step, and most drafters ignore it
         rows = [p for p in self.proposers.values() if p.observes_rows]
