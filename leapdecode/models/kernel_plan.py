@@ -45,7 +45,12 @@ class KernelPlan:
         sources = Counter(self.packed.values())
         return (f"{len(self.packed)} packed projections ({', '.join(f'{n} {s}' for s, n in sorted(sources.items()))})"
                 f", {len(self.op_kernels)} op kernels, {len(self.fused_layers)} fused decoder layers"
-                + (", int8 activations" if self.int8_activations else ""))
+                + (self._int8_paths() if self.int8_activations else ""))
+
+    @staticmethod
+    def _int8_paths() -> str:
+        rows = int8_gemm.amx_rows()
+        return ", int8 activations" + (f" (AMX tiles from {rows} rows)" if rows else "")
 
 
 def _packed_source(mod: KernelWeight, use_blocks: bool, int8_activations: bool) -> str | None:
@@ -113,7 +118,21 @@ def use_kernels(model: torch.nn.Module, required: bool = False, use_blocks: bool
     if int8_activations and int8_gemm.int8_activation_isa() == "portable":
         warnings.warn("int8 activations on a CPU without AVX2 run a slow portable loop (exact, but several times "
                       "slower than float32)", stacklevel=2)
-    return apply_plan(model, plan_kernels(model, use_blocks, int8_activations))
+    plan = plan_kernels(model, use_blocks, int8_activations)
+    n = apply_plan(model, plan)
+    if plan.int8_activations:
+        _choose_amx_rows(model, plan)
+    return n
+
+
+def _choose_amx_rows(model: torch.nn.Module, plan: KernelPlan) -> None:
+    """Where AMX-INT8 tiles exist, from how many rows a step's projections take them: measured on the largest
+    int8-activation weight of the decoder layers (int8_gemm.choose_amx_rows), once per model packed."""
+    modules = dict(model.named_modules())
+    weights = [modules[n].packed for n in plan.packed if ".layers." in f".{n}"]
+    weights = [w for w in weights if isinstance(w, torch.Tensor) and w.dim() == 4]
+    if weights:
+        int8_gemm.choose_amx_rows(max(weights, key=lambda w: w.numel()))
 
 
 def use_int8_drafting(module: torch.nn.Module) -> int:
