@@ -23,16 +23,12 @@ from leapdecode.engine.executor import Executor, start_tensor_parallel
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
-from leapdecode.engine.output_assembly import EngineStats, OutputAssembler, row_context
+from leapdecode.engine.output_assembly import EngineStats, OutputAssembler
+from leapdecode.engine.sampling import sample_rows
 from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
 from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
 from leapdecode.layers import small_gemm
-from leapdecode.layers.sampler import (
-    apply_processors,
-    processed_logits,
-    sample_from,
-)
 from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, resolve_tokenizer
 from leapdecode.models.stops import template_end_ids, unique
@@ -530,21 +526,8 @@ class LLMEngine:
     def sample(
         self, seqs: list[Sequence], logits: torch.Tensor
     ) -> tuple[list[int], list[list[PositionLogprobs] | None]]:
-        """One token per sequence from its last logits row (processors, then greedy or a draw), and its
-        log-probability entry where the request asked for them."""
-        if any(s.params.has_processors for s in seqs):
-            logits = apply_processors(logits, [row_context(s) for s in seqs])
-        tokens = logits.argmax(dim=-1).tolist()
-        rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if rand:
-            probs = torch.softmax(processed_logits(logits[rand], [seqs[i].params for i in rand]), dim=-1)
-            for j, i in enumerate(rand):
-                tokens[i] = sample_from(probs[j], seqs[i].generator or self.generator)
-        logprobs = [
-            None if s.params.logprobs is None else self.assembler.logprobs_of(s, logits[i : i + 1], [tokens[i]])
-            for i, s in enumerate(seqs)
-        ]
-        return tokens, logprobs
+        """One token per sequence from its last logits row, and its log-probability entry (engine/sampling.py)."""
+        return sample_rows(seqs, logits, self.generator, self.assembler.decode_token)
 
     def _execute(self, items: list[ForwardItem]):
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
