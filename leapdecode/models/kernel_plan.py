@@ -59,8 +59,7 @@ def _packed_source(mod: KernelWeight, use_blocks: bool, int8_activations: bool) 
     has_blocks = owner.quant is not None or (int8_activations and getattr(owner, "block_quantized", None) is not None)
     if use_blocks and has_blocks:
         return "blocks"
-    weight = mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight()
-    return "panels" if small_gemm.packable(weight) else None
+    return "panels" if small_gemm.packable(owner.dense_weight()) else None
 
 
 def plan_kernels(model: torch.nn.Module, use_blocks: bool = True, int8_activations: bool = False) -> KernelPlan:
@@ -88,7 +87,10 @@ def _packed_form(mod: KernelWeight, source: str, plan: KernelPlan) -> torch.Tens
         if owner.quant is not None:
             return owner.quant.int8_activation_records() if plan.int8_activations else owner.quant.records
         return owner.block_quantized.pack_int8_activations()
-    return small_gemm.pack(mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight())
+    # this rank's own rows: a vocabulary-parallel head gathers its shard's logits after the kernel (packing the
+    # gathered whole vocabulary here would make every rank's logits as many vocabularies wide as there are ranks)
+    owner = mod.owner() if hasattr(mod, "owner") else mod
+    return small_gemm.pack(owner.dense_weight())
 
 
 def apply_plan(model: torch.nn.Module, plan: KernelPlan) -> int:

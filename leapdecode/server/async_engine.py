@@ -225,7 +225,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.num_queued = 0
-        self.gauges = EngineGauges(kv_blocks_total=engine.block_manager.num_blocks, stats=dict(engine.stats))
+        self.gauges = EngineGauges(kv_blocks_total=engine.block_manager.num_blocks, stats=engine.stats.as_dict())
         self.on_first_token = on_first_token
         self.on_finish = on_finish
         self.on_abort = on_abort
@@ -403,7 +403,7 @@ class AsyncEngine:
             kv_blocks_total=bm.num_blocks,
             num_running=len(eng.scheduler.running),
             num_waiting=len(eng.scheduler.waiting),
-            stats=dict(eng.stats),
+            stats=eng.stats.as_dict(),
             slots=slot_states(eng),
             drafter_memory=memory,
         )

@@ -272,11 +272,10 @@ class BlockwiseProposer(HeadsProposer):
 
     # ----------------------------------------------------------------------------------------------- accept
     def verify_chain(
-        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
+        self, seq: Sequence, drafts: list[int], logits: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[list[int], int] | None:
         """Exact greedy: ``None`` (the engine's greedy match). Exact sampled: the chain walk (module docstring).
         Top-k: :func:`verify_block_topk`, counting its non-top-choice tokens in the request's metrics."""
-        drafts = seq.draft_token_ids
         s = self.settings
         if s.lossy:
             tokens, accepted, lossy = verify_block_topk(logits, drafts, seq.params, generator, s.top_k, s.min_block)
