@@ -144,7 +144,7 @@ def test_start_up_measurement_sets_the_threshold() -> None:
     packed, _ = _records("q4h", 64, 512, seed=1)
     before = ext.a8_amx_rows()
     try:
-        rows = int8_gemm.choose_amx_rows(packed, repeats=1)
+        rows = int8_gemm.choose_amx_rows([packed], repeats=1)
         assert rows in (0, *int8_gemm.AMX_PROBE_ROWS) and ext.a8_amx_rows() == int8_gemm.amx_rows() == rows
     finally:
         ext.set_a8_amx_rows(before)

@@ -384,8 +384,8 @@ static void rows_x_a8panel_any(int64_t rows, const QuantizedRows& xr, int64_t r0
 }
 
 // the fewest rows a8_linear gives to AMX tiles (0: never), set by the kernel plan from its start-up measurement;
-// until then 16, where tiles first measured faster than the VNNI loop here (Xeon, 2 vCPUs, AMX-INT8)
-static std::atomic<int64_t> amx_min_rows{16};
+// until then 32, from where tiles measured faster than the VNNI loop for every record kind here (Xeon, 2 vCPUs)
+static std::atomic<int64_t> amx_min_rows{32};
 void set_a8_amx_rows(int64_t rows) {
   TORCH_CHECK(rows >= 0, "set_a8_amx_rows: rows must be >= 0 (0: never use AMX)");
   amx_min_rows = rows;

@@ -94,28 +94,30 @@ def amx_rows() -> int:
     return 0 if ext is None else int(ext.a8_amx_rows())
 
 
-def choose_amx_rows(packed: torch.Tensor, repeats: int = 5) -> int:
-    """Time the VNNI loop against AMX tiles on ``packed`` (int8-activation records) at each of AMX_PROBE_ROWS
-    and set the kernel's threshold to the fewest rows from which tiles are faster at every larger count (0 where
-    they never are, or where this CPU or OS has none). Both paths give bitwise the same results, so the choice,
-    however noisy the machine, changes speed only. Returns the threshold."""
+def choose_amx_rows(weights: list[torch.Tensor], repeats: int = 5, margin: float = 0.95) -> int:
+    """Time the VNNI loop against AMX tiles on ``weights`` (int8-activation records; their times are summed) at
+    each of AMX_PROBE_ROWS and set the kernel's threshold to the fewest rows from which tiles take at most
+    ``margin`` of the loop's time at every larger count (0 where they never do, or where this CPU or OS has no
+    tiles). Both paths give bitwise the same results, so the choice, however noisy the machine, changes speed
+    only; the margin keeps a near tie on the loop. Returns the threshold."""
     ext = extension.load_kernel()
-    if ext is None or not ext.a8_amx_available():
+    if ext is None or not ext.a8_amx_available() or not weights:
         return 0
-    k = packed.shape[1] * (256 if packed.shape[2] in (A8_Q4K_LINES, A8_Q6K_LINES) else 32)
     faster = []
     for rows in AMX_PROBE_ROWS:
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        cost = {}
-        for path in (0, 1):  # amx_rows 0: the VNNI loop; 1: tiles
-            ext.a8_linear(x, packed, amx_rows=path)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
+        cost = {0: 0.0, 1: 0.0}  # amx_rows 0: the VNNI loop; 1: tiles
+        for packed in weights:
+            k = packed.shape[1] * (256 if packed.shape[2] in (A8_Q4K_LINES, A8_Q6K_LINES) else 32)
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            for path in (0, 1):
                 ext.a8_linear(x, packed, amx_rows=path)
-                times.append(time.perf_counter() - t0)
-            cost[path] = statistics.median(times)
-        faster.append(cost[1] < cost[0])
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    ext.a8_linear(x, packed, amx_rows=path)
+                    times.append(time.perf_counter() - t0)
+                cost[path] += statistics.median(times)
+        faster.append(cost[1] <= margin * cost[0])
     threshold = 0
     for rows, fast in zip(reversed(AMX_PROBE_ROWS), reversed(faster)):
         if not fast:

@@ -129,12 +129,17 @@ def use_kernels(model: torch.nn.Module, required: bool = False, use_blocks: bool
 
 def _choose_amx_rows(model: torch.nn.Module, plan: KernelPlan) -> None:
     """Where AMX-INT8 tiles exist, from how many rows a step's projections take them: measured on the largest
-    int8-activation weight of the decoder layers (int8_gemm.choose_amx_rows), once per model packed."""
+    int8-activation weight of the decoder layers and the largest elsewhere (the LM head), once per model packed
+    (int8_gemm.choose_amx_rows)."""
     modules = dict(model.named_modules())
-    weights = [modules[n].packed for n in plan.packed if ".layers." in f".{n}"]
-    weights = [w for w in weights if isinstance(w, torch.Tensor) and w.dim() == 4]
+    inside, outside = [], []
+    for name in plan.packed:
+        w = modules[name].packed
+        if isinstance(w, torch.Tensor) and w.dim() == 4:
+            (inside if ".layers." in f".{name}" else outside).append(w)
+    weights = [max(ws, key=lambda w: w.numel()) for ws in (inside, outside) if ws]
     if weights:
-        int8_gemm.choose_amx_rows(max(weights, key=lambda w: w.numel()))
+        int8_gemm.choose_amx_rows(weights)
 
 
 def use_int8_drafting(module: torch.nn.Module) -> int:
