@@ -86,7 +86,7 @@ class Speculator:
             for n, p in self.proposers.items():
                 use = METHODS[n].auto
                 assert use is not None
-                facts.append(DrafterFacts(n, p.memory_bytes() / 2**20, use.branch, use.rank))
+                facts.append(DrafterFacts(n, p.memory_bytes() / 2**20, use.branch, use.rank, use.self_draft))
             tok = view.tokenizer
             text: Callable[[list[int]], str] = (lambda ids: "") if tok is None else \
                 (lambda ids: tok.decode(ids, skip_special_tokens=True))
@@ -154,6 +154,7 @@ class Speculator:
             if self.router.kv_short(self.view.block_manager):
                 self.router.depart(seq, st, f"KV short: under {KV_SHORT:.0%} of the KV pool free, no drafting")
                 return 0
+            names = self.router.compute_path(seq, st, names, lambda n: self.proposers[n].has_draft(seq))
         # every method must beat plain decoding's rate to be chosen
         plain = batch / self.cost(batch) if self.cost is not None else 0.0
         rates: dict[str, tuple[int, float]] = {}
@@ -285,6 +286,8 @@ class Speculator:
             hidden = res.hidden[row]
             for prop in watchers:
                 prop.observe(seq, hidden)
+        if self.router is not None and not seq.is_finished and res.logits.numel():
+            self.router.observe_logits(st, res.logits[row])  # the difficulty signal (compute_path "difficulty")
         if self.router is not None and not seq.is_finished and self.router.domain_switch(seq, st) is not None:
             self._restart_estimates(seq)
 
