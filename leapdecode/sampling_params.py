@@ -128,6 +128,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Whether this request's output may join what the engine keeps across requests to draft from (the suffix
+    # method's global tree, which holds other requests' text verbatim); False keeps it out. True by default in the
+    # Python API; `leapdecode serve --no-share-output` makes False the default of requests that do not say.
+    share_output: bool = True
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
     # True when a processor that rewrites logits before temperature is on (penalties, bias, min_tokens, grammar):
     # the sampler skips all of that work for requests without one
@@ -162,6 +166,8 @@ class SamplingParams:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", "must be a bool")
+        if not isinstance(self.share_output, bool):
+            raise bad("share_output", "must be a bool")
 
     def _check_stops(self) -> None:
         bad = self._bad

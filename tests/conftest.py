@@ -211,3 +211,19 @@ def save_random_heads(folder: Path, offsets, seed: int, first_head_seed: int) ->
         heads.weight[0].normal_(0, 0.5, generator=torch.Generator().manual_seed(first_head_seed))
     save_heads(folder, heads, None, {"vocab_size": TINY_DEFAULTS["vocab_size"]})
     return folder
+
+
+def save_random_block_heads(folder: Path, k: int, seed: int) -> Path:
+    """Untrained block heads (blockwise decoding) for the tiny models, with large random weights so their
+    proposals are arbitrary tokens, saved as a block-heads artifact in ``folder``."""
+    from leapdecode.speculative.artifacts import save_block_heads
+    from leapdecode.speculative.block_heads import BlockHeads
+
+    heads = BlockHeads(TINY_DEFAULTS["hidden_size"], k, num_blocks=2, attn_heads=2, head_dim=16)
+    heads.init_weights(seed=seed, std=0.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for prm in (heads.weight, heads.wo):
+            prm.normal_(0, 0.5, generator=g)
+    save_block_heads(folder, heads, None, {"vocab_size": TINY_DEFAULTS["vocab_size"]})
+    return folder

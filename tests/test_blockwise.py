@@ -12,14 +12,15 @@ from leapdecode import LLM, SamplingParams
 from leapdecode.config import SpeculativeConfig
 from leapdecode.speculative.acceptance import topk_accepted, verify_greedy
 from leapdecode.speculative.artifacts import save_heads
+from leapdecode.speculative.block_heads import BlockHeads
 from leapdecode.speculative.heads import PYRAMID, MedusaHeads
 from leapdecode.speculative.methods import blockwise as B
 from leapdecode.speculative.methods.blockwise import BlockwiseProposer, BlockwiseSettings
-from leapdecode.speculative.proposer import Proposal
+from leapdecode.speculative.proposer import Proposal, Verification
 from leapdecode.speculative.speculator import Speculator
 
 from .conftest import SPEC_PROMPTS as PROMPTS
-from .conftest import assert_no_leaks, save_random_heads
+from .conftest import assert_no_leaks, save_random_block_heads
 
 VOCAB = 49152
 SHAPES = [(1, 1), (7, 1), (8, 4), (10, 4), (13, 5), (16, 16), (5, 8), (23, 3)]  # incl. ragged last blocks
@@ -67,12 +68,13 @@ def plain(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory) -> Path:
-    """Four random one-per-offset heads (large weights, so their chains are arbitrary tokens)."""
-    return save_random_heads(tmp_path_factory.mktemp("bw_heads"), [1, 2, 3, 4], seed=5, first_head_seed=11)
+    """Four random block heads (large weights, so their chains are arbitrary tokens)."""
+    return save_random_block_heads(tmp_path_factory.mktemp("bw_heads"), 4, seed=5)
 
 
 def _spec(model: Path, **kw) -> dict:
-    return {"method": "blockwise", "model": str(model), **kw}  # its block size never asks the cost model
+    """Every block drafted in full (the cost model would switch random heads off)."""
+    return {"method": "blockwise", "model": str(model), "use_cost_model": False, **kw}
 
 
 def test_config_mistakes_are_clear_errors(plain, heads_dir, tmp_path):
@@ -92,13 +94,44 @@ def test_config_mistakes_are_clear_errors(plain, heads_dir, tmp_path):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             LLM.from_engine_of(plain, speculative_config=_spec(heads_dir, **kw))
-    pyramid = MedusaHeads(64, PYRAMID)
+    pyramid = MedusaHeads(64, PYRAMID)  # Medusa's heads are not block heads
     save_heads(tmp_path / "pyr", pyramid, None, {"vocab_size": VOCAB})
-    with pytest.raises(ValueError, match="one head per offset"):
+    with pytest.raises(ValueError, match="not a leapdecode.blockwise_heads artifact.*train blockwise"):
         LLM.from_engine_of(plain, speculative_config=_spec(tmp_path / "pyr"))
-    with pytest.raises(FileNotFoundError, match="train medusa"):
+    with pytest.raises(FileNotFoundError, match="train blockwise"):
         LLM.from_engine_of(plain, speculative_config=_spec(tmp_path / "nothing"))
     assert_no_leaks(ok)
+
+
+def test_exact_mode_sizes_its_block_by_the_cost_model(plain, heads_dir):
+    """At its defaults blockwise asks the step-cost model for its block size: the longest block whose expected
+    tokens per second beat plain decoding's, 0 when none does; the acceptance it expects is learned from every
+    verification. Top-k mode (lossy) and ``use_cost_model: false`` draft the full block."""
+    llm = LLM.from_engine_of(plain, speculative_config={"method": "blockwise", "model": str(heads_dir)})
+    prop = llm.engine.speculator.proposer
+    assert isinstance(prop, BlockwiseProposer) and not prop.fixed_budget
+    assert llm.engine.speculator.cost is not None  # calibrated: the cost model sizes it
+    prop._heads_cost = {1: 0.0, 8: 0.0}
+    free, per_row = (lambda n: 1.0), (lambda n: float(n))
+    assert prop.best_block(free, 1) == 4  # extra rows cost nothing: the whole block pays
+    assert prop.best_block(per_row, 1) == 0 and prop.best_block(per_row, 8) == 0  # every row a full step
+    assert prop.tree_budget(None, 3, None, 1)[0] == 3  # no cost model: the full block, within room
+    cheap = lambda n: 1.0 + 0.05 * n  # noqa: E731
+    fake = torch.zeros(5, 8)
+    for _ in range(200):  # every draft rejected
+        prop.on_verified(None, Verification(10, [1, 2, 3, 4], None, [], [7], fake))
+    assert prop.expected_tokens(4) < 1.1 and prop.best_block(cheap, 1) == 0
+    for _ in range(2000):  # every draft accepted
+        prop.on_verified(None, Verification(10, [1, 2, 3, 4], None, [0, 1, 2, 3], [1, 2, 3, 4, 5], fake))
+    assert prop.expected_tokens(4) > 4.5 and prop.best_block(cheap, 1) == 4
+    lossy = LLM.from_engine_of(plain, speculative_config={"method": "blockwise", "model": str(heads_dir),
+                                                          "acceptance": "topk"}).engine.speculator.proposer
+    assert lossy.fixed_budget and lossy.tree_budget(None, 9, per_row, 8)[0] == 4
+    # lossless whatever it decides
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(plain.generate(PROMPTS, params,
+                                                                                     use_tqdm=False))
+    assert_no_leaks(llm)
 
 
 def test_exact_greedy_is_token_identical_at_batch_and_topk1_equals_exact(plain, heads_dir):
@@ -122,8 +155,8 @@ class OracleBlocks(BlockwiseProposer):
     by the target's *second* choice there. Exact mode keeps two drafts per step; top-2 mode also keeps the third."""
 
     def __init__(self, plain: LLM, settings: BlockwiseSettings) -> None:
-        heads = MedusaHeads(64, list(range(1, settings.k + 1)))
-        super().__init__(heads, plain.engine.model.lm_head.get_weight(), None, settings)
+        heads = BlockHeads(64, settings.k, num_blocks=1, attn_heads=1, head_dim=8)
+        super().__init__(heads, plain.engine.model.lm_head.get_weight(), None, settings, plain.engine.model)
         self.plain = plain
 
     def propose(self, seqs, budgets):

@@ -20,7 +20,7 @@ def test_every_subcommand_has_help(cmd, capsys):
 
 def test_one_train_command_per_technique():
     """One name per technique: `train eagle` is the adapter trainer with feature inputs (no `--features` flag on
-    `train draft-model`), `train blockwise` the heads trainer with one head per offset; records say the command."""
+    `train draft-model`), `train blockwise` the block heads' own trainer; records say the command."""
     from leapdecode.train.adapter import command_line
 
     p = build_parser()
@@ -33,7 +33,7 @@ def test_one_train_command_per_technique():
     assert line.startswith("leapdecode train eagle --layers 1 ") and "--features" not in line
     blockwise = vars(p.parse_args(["train", "blockwise", "--data", "D", "--out", "O"]))
     medusa = vars(p.parse_args(["train", "medusa", "--data", "D", "--out", "O"]))
-    assert blockwise["layout"] == "one-per-offset" and medusa["layout"] == "pyramid"
+    assert blockwise["grad_checkpoint"] is True and "layout" not in blockwise and medusa["layout"] == "pyramid"
 
 
 def test_generate_json(tiny_model_dir, capsys):

@@ -204,7 +204,7 @@ def test_sampling_batching_and_preemption(plain1, near_exact):
     sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True)
     spec2 = _spec(plain1, near_exact["rough"])
     a, b = _tokens(spec2, PROMPTS, sampled), _tokens(spec2, PROMPTS, sampled)
-    assert a == b and spec2.engine.stats["num_draft_tokens"] > 0
+    assert a == b and spec2.engine.stats.num_draft_tokens > 0
 
 
 def test_train_draft_features_lowers_its_loss_and_runs_in_eagle_and_hybrid(trained, plain4, want, tmp_path):
@@ -219,7 +219,7 @@ def test_train_draft_features_lowers_its_loss_and_runs_in_eagle_and_hybrid(train
     spec = _spec(plain4, out)
     assert isinstance(spec.engine.speculator.proposer, EagleProposer)
     assert _tokens(spec, PROMPTS, GREEDY) == want
-    assert spec.engine.stats["num_draft_tokens"] > 0
+    assert spec.engine.stats.num_draft_tokens > 0
     # one name per technique: draft_model never runs the EAGLE drafter, it says which method does
     with pytest.raises(ValueError, match='run it with the "eagle" method'):
         LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "model": str(out)})
@@ -260,7 +260,7 @@ def test_eagle_method_shipped_default_auto_and_errors(plain1, near_exact, tiny1,
                                                              "min_draft_prob": 0.0, "draft_precision": "float32"},
                                  kv_cache_blocks=256)
     assert _tokens(shipped, PROMPTS, GREEDY) == want
-    assert shipped.engine.stats["num_accepted_tokens"] == shipped.engine.stats["num_draft_tokens"] > 0  # the exact one
+    assert shipped.engine.stats.num_accepted_tokens == shipped.engine.stats.num_draft_tokens > 0  # the exact one
     assert "eagle" in auto_methods(shipped.engine.config.speculative_config, shipped.engine.model)
     hyb = LLM.from_engine_of(plain1, speculative_config={
         "method": "hybrid", "trunk": "eagle", "heads": str(_heads(tmp_path)), "use_cost_model": False,
@@ -302,7 +302,7 @@ def test_int8_drafting_is_the_default_and_stays_lossless(plain1, near_exact):
         assert torch.equal(m.weight, int8_gemm.BlockQuantized.quantize_q8(m.weight).dequantize())
     assert _tokens(spec, PROMPTS, GREEDY) == want
     st = spec.engine.stats
-    assert 0.5 * st["num_draft_tokens"] < st["num_accepted_tokens"] <= st["num_draft_tokens"]
+    assert 0.5 * st.num_draft_tokens < st.num_accepted_tokens <= st.num_draft_tokens
     f32 = _spec(plain1, near_exact["exact"])
     assert f32.engine.speculator.proposer.draft_precision == "float32"
     assert all(m.packed.dtype == torch.float32 for m in f32.engine.speculator.proposer.adapter.modules()
@@ -357,7 +357,7 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
     prop.propose, prop.on_verified = propose, on_verified
     assert _tokens(spec, PROMPTS, GREEDY) == want
     assert len(accepted) > 10 and all(a == d for d, a in accepted) and max(d for d, _ in accepted) == 3
-    assert spec.engine.stats["num_draft_tokens"] > 2 * spec.engine.stats["num_accepted_tokens"]  # a tree, not a chain
+    assert spec.engine.stats.num_draft_tokens > 2 * spec.engine.stats.num_accepted_tokens  # a tree, not a chain
     assert_no_leaks(spec)
     assert not prop.shadows and prop.adapter_bm.num_free_blocks == prop.adapter_bm.num_blocks
 
@@ -366,7 +366,7 @@ def test_dynamic_tree_grows_through_its_own_nodes_and_is_lossless(plain1, near_e
                                kv_cache_blocks=256, block_size=4)
     assert _tokens(rough, PROMPTS, GREEDY) == want
     st = rough.engine.stats
-    assert 0 < st["num_accepted_tokens"] < st["num_draft_tokens"]
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     sampled = SamplingParams(temperature=0.8, max_tokens=24, seed=3, ignore_eos=True)
     assert _tokens(rough, PROMPTS, sampled) == _tokens(plain1, PROMPTS, sampled)
     assert rough.engine.speculator.proposer.num_fallback_tokens == 0

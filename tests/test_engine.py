@@ -93,8 +93,8 @@ def test_preemption_loses_nothing(tiny_model_dir) -> None:
     expected = roomy.generate(prompts, params, use_tqdm=False)
     tight = make_llm(tiny_model_dir, block_size=4, kv_cache_blocks=12, max_num_seqs=6)
     got = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.stats["num_preemptions"] > 0
-    assert sum(o.metrics.num_preemptions for o in got) == tight.engine.stats["num_preemptions"]
+    assert tight.engine.stats.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in got) == tight.engine.stats.num_preemptions
     assert toks(got) == toks(expected)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
     assert all(len(t) == 24 for t in toks(got))

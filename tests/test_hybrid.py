@@ -97,15 +97,20 @@ def test_hybrid_is_token_identical_to_plain_and_keeps_only_its_accepted_trunk(pl
     prop: HybridProposer = spec.engine.speculator.proposer
     assert type(prop.chain).__name__ == ("SelfSpecProposer" if trunk == "self_spec" else "DraftModelProposer")
     seen: list[tuple[int, list[int]]] = []
-    real = prop.chain.on_verified
+    whole_path: dict[str, list[int]] = {}  # request id -> the accepted path of its latest verification
+    real, outer = prop.chain.on_verified, prop.on_verified
+
+    def whole(seq, result):  # what the hybrid is told: the whole tree's accepted path
+        whole_path[seq.request_id] = list(result.accepted)
+        outer(seq, result)
 
     def spy(seq, result):  # what the trunk drafter is told vs the whole accepted path
-        seen.append((result.num_accepted, list(spec.engine.speculator.draft_state(seq).accepted_path)))
+        seen.append((result.num_accepted, whole_path[seq.request_id]))
         real(seq, result)
         sh = prop.chain.shadows.get(seq.request_id)
         assert sh is None or sh.num_computed_tokens <= result.num_prefix_tokens + result.num_accepted
 
-    prop.chain.on_verified = spy
+    prop.on_verified, prop.chain.on_verified = whole, spy
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=(i != 1),
                              repetition_penalty=1.3 if i == 2 else 1.0) for i in range(len(PROMPTS))]
     want = [o.outputs[0].token_ids for o in plain4.generate(PROMPTS, params, use_tqdm=False)]

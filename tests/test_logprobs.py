@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.engine import llm_engine
+from leapdecode.engine import output_assembly
 
 from .conftest import SPEC_PROMPTS, assert_no_leaks
 
@@ -79,10 +79,10 @@ def test_logprobs_zero_lists_only_the_sampled_token(plain):
     assert [list(e) for e in c.logprobs] == [[t] for t in c.token_ids]
 
 
-@pytest.mark.parametrize("chunk, rows", [(512, llm_engine.PROMPT_LOGPROB_ROWS), (7, llm_engine.PROMPT_LOGPROB_ROWS),
-                                         (512, 5)])
+@pytest.mark.parametrize("chunk, rows", [(512, output_assembly.PROMPT_LOGPROB_ROWS),
+                                         (7, output_assembly.PROMPT_LOGPROB_ROWS), (512, 5)])
 def test_prompt_logprobs_match_hf_and_score_with_max_tokens_zero(tiny_model_dir, tiny_hf, chunk, rows, monkeypatch):
-    monkeypatch.setattr(llm_engine, "PROMPT_LOGPROB_ROWS", rows)  # 5: a prefill chunk scored in several slices
+    monkeypatch.setattr(output_assembly, "PROMPT_LOGPROB_ROWS", rows)  # 5: a prefill chunk scored in several slices
     llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=256, max_num_batched_tokens=chunk)
     text = "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is"
     # the same prompt twice: the second must not take its prompt from the prefix cache (it needs every row)

@@ -50,12 +50,12 @@ def test_requests_that_fit_alone_all_finish_together(small: LLM) -> None:
     n = len(small.get_tokenizer().encode(PROMPT))
     longest = BLOCKS * 16 - n  # each one alone fills the whole pool
     alone = small.generate(PROMPT, greedy(longest), use_tqdm=False)[0].outputs[0].token_ids
-    preemptions = small.engine.stats["num_preemptions"]
+    preemptions = small.engine.stats.num_preemptions
     start = time.monotonic()
     outs = small.generate([PROMPT] * 3, greedy(longest), use_tqdm=False)
     assert time.monotonic() - start < 120
     assert all(o.outputs[0].token_ids == alone for o in outs)  # preempted and recomputed, nothing lost
-    assert small.engine.stats["num_preemptions"] > preemptions
+    assert small.engine.stats.num_preemptions > preemptions
     assert_no_leaks(small)
 
 
@@ -87,5 +87,5 @@ def test_server_answers_400_for_what_can_never_fit(tiny_model_dir: Path) -> None
         assert [a.status_code for a in answers] == [200] * 4
         assert all(a.json()["usage"]["completion_tokens"] == 40 for a in answers)
         assert httpx.get(base + "/health", trust_env=False).json() == {"status": "ok"}
-    assert llm.engine.stats["num_preemptions"] > 0
+    assert llm.engine.stats.num_preemptions > 0
     assert_no_leaks(llm)

@@ -217,8 +217,9 @@ def test_a_drafter_with_nothing_to_propose_sits_the_step_out_unpenalised(tiny_mo
         sp.state(seq, "ngram").acceptance_ema = 0.9
         sp.state(seq, "draft_model").acceptance_ema = 0.3
     assert not sp.proposers["ngram"].has_draft(fresh) and sp.proposers["ngram"].has_draft(repeat)
-    assert sp.budget_for(fresh) > 0 and sp.draft_state(fresh).method == "draft_model"
-    assert sp.budget_for(repeat) > 0 and sp.draft_state(repeat).method == "ngram"
+    limits = sp.draft_limits([fresh, repeat], 1)
+    assert limits["fresh"] > 0 and sp.draft_state(fresh).method == "draft_model"
+    assert limits["repeat"] > 0 and sp.draft_state(repeat).method == "ngram"
     assert sp.state(fresh, "ngram").acceptance_ema == 0.9
 
 

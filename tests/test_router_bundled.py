@@ -26,10 +26,11 @@ def test_domain_switch_from_copying_to_writing_changes_the_drafter_losslessly(bu
     steps: list[tuple[int, str | None]] = []
     propose = sp.propose
 
-    def record(scheduled):
-        propose(scheduled)
-        steps.extend((s.seq.num_output_tokens, sp.draft_state(s.seq).method) for s in scheduled
-                     if s.seq.draft_token_ids)
+    def record(snapshot):
+        drafts = propose(snapshot)
+        steps.extend((slot.seq.num_output_tokens, drafts[slot.seq.request_id].method) for slot in snapshot.slots
+                     if slot.seq.request_id in drafts)
+        return drafts
 
     sp.propose = record
     out = spec.chat([SWITCH_CHAT], params, use_tqdm=False)[0]

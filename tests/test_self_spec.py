@@ -164,7 +164,7 @@ def test_batch_mixing_opt_outs_and_preemption(adapters, plain4):
 def test_min_draft_prob_stops_drafting_early(adapters, plain4, want):
     never = _spec_llm(plain4, adapters["rough"], min_draft_prob=1.0)
     assert _tokens(never, PROMPTS, GREEDY) == want
-    assert never.engine.stats["num_draft_tokens"] == 0
+    assert never.engine.stats.num_draft_tokens == 0
     assert_no_leaks(never)
     # the tiny random model is nearly uniform over 49k tokens: take the threshold from the draft's own top
     # probabilities (their median), so about half the draft steps fall below it
@@ -259,7 +259,7 @@ def test_train_self_spec_lowers_its_loss_resumes_and_loads(tiny4, plain4, want, 
     for extra in ({}, {"draft_vocab": 4096}):
         spec = _spec_llm(plain4, out, **extra)
         assert _tokens(spec, PROMPTS, GREEDY) == want
-        assert spec.engine.stats["num_draft_tokens"] > 0
+        assert spec.engine.stats.num_draft_tokens > 0
         assert_no_leaks(spec)
 
 
@@ -287,7 +287,7 @@ def test_train_draft_distils_a_small_draft_that_draft_model_runs_losslessly(tiny
     assert isinstance(prop, SelfSpecProposer) and prop.num_shared_layers == 0 and prop.adapter.num_layers == 2
     assert list(spec.engine.runner.captures) == [0]
     assert _tokens(spec, PROMPTS, GREEDY) == want
-    assert spec.engine.stats["num_draft_tokens"] > 0 and prop.num_fallback_tokens == 0
+    assert spec.engine.stats.num_draft_tokens > 0 and prop.num_fallback_tokens == 0
     assert_no_leaks(spec)
     monkeypatch.setattr(artifacts, "DRAFT_DIR", out)  # "ship" it: draft_model with no path uses it
     shipped = LLM.from_engine_of(plain4, speculative_config={"method": "draft_model", "use_cost_model": False},

@@ -140,7 +140,7 @@ def test_unknown_speculative_option_is_an_error_naming_the_valid_ones(tiny_model
     {"method": "medusa", "prompt_lookup_max": 3},
     {"method": "ngram", "draft_linear_kernel": "packed-int8act"},  # prompt lookup runs no model
     {"method": "ngram", "verify_chunk": 2},  # chunked verification is gone
-    {"method": "blockwise", "use_cost_model": False},  # the block size is the method: never the cost model's
+    {"method": "blockwise", "gamma_init": 3},  # blockwise sizes its block by the cost model, not dynamic gamma
     {"method": "self_spec", "draft_linear_kernel": "packed-int8act"},
     {"method": "hybrid", "tree_nodes": 4},  # the hybrid builds its own tree; its eagle trunk drafts a chain
     {"method": "auto", "use_cost_model": False},  # auto always sizes by the cost model

@@ -91,6 +91,29 @@ def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):
     assert _trie_counts(again.trie) == _trie_counts(cache.trie)
 
 
+def test_global_cache_evicts_the_least_recently_used_request():
+    """Under the cap, the request whose text last drafted an accepted token stays; an untouched newer one leaves."""
+    texts = {k: [base + i for i in range(30)] for k, base in (("a", 0), ("b", 100), ("c", 200), ("d", 300))}
+    probe = GlobalSuffixCache(max_depth=6, cap_mb=64)
+    for k in "abc":
+        probe.add(k, texts[k])
+    cap_mb = (probe.memory_bytes() + 1) / 2**20  # room for three texts, not four
+    for touched, gone in (("a", "b"), (None, "a")):
+        cache = GlobalSuffixCache(max_depth=6, cap_mb=cap_mb)
+        for k in "abc":
+            cache.add(k, texts[k])
+        if touched is not None:
+            node, length = cache.trie.match(texts[touched][:4], max_match=4)
+            _, where = cache.trie.draft_nodes(node, 2, 0.0, 3)
+            cache.touch(where[-1])  # as after an accepted draft through a's text
+            assert cache.num_touched == 1
+        cache.add("d", texts["d"])
+        assert gone not in cache.texts and set(cache.texts) == {"a", "b", "c", "d"} - {gone}
+        assert cache.memory_bytes() <= cache.cap_bytes
+    cache.touch(where[-1])  # a's text has left that cache: nothing moves
+    assert cache.num_touched == 0
+
+
 def test_options_are_typed_and_unknown_keys_refused():
     cfg = parse_config({"method": "suffix", "global_tree": False, "max_spec_factor": 1.5})
     opts = cfg.options(SuffixOptions)

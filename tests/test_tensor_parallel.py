@@ -59,19 +59,27 @@ def test_tiny_greedy_matches_one_rank(tp_tiny, tiny_llm):
     assert (w.num_heads, w.num_kv_heads) == (2, 1)  # 4 heads / 2 KV heads split over the ranks
 
 
-def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir):
+def test_tiny_ngram_lossless_and_requests_follow(tp_tiny, tiny_model_dir, tiny_llm):
     with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
         LLM(model=str(tiny_model_dir), kv_cache_blocks=16, tensor_parallel_size=2)
     # a request rank 0 refuses (its grammar does not compile) never reaches the worker, which would fail on it
     bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     with pytest.raises(ValueError, match="does not compile"):
         tp_tiny.engine.add_request([5, 6, 7], bad)
+    # the worker builds its matcher from rank 0's serialised grammar (it never compiles before a step), and rank
+    # 0's logits are one vocabulary wide at the grammar's mask (a packed head packs its rank's rows only)
+    choice = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(
+        regex="(yes|no)-[0-9]"))
+    assert tokens(tp_tiny, SPEC_PROMPTS[:2], choice) == tokens(tiny_llm, SPEC_PROMPTS[:2], choice)
+    # a sampled row draws from one vocabulary (twice as wide, half its draws would be ids past the vocabulary)
+    drawn = tokens(tp_tiny, SPEC_PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+    assert all(0 <= t < tp_tiny.engine.model_config.vocab_size for row in drawn for t in row)
     plain = tokens(tp_tiny, SPEC_PROMPTS)
     tp_tiny.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "use_cost_model": False})
     try:
-        before = tp_tiny.engine.stats["num_draft_tokens"]
+        before = tp_tiny.engine.stats.num_draft_tokens
         assert tokens(tp_tiny, SPEC_PROMPTS) == plain
-        assert tp_tiny.engine.stats["num_draft_tokens"] > before
+        assert tp_tiny.engine.stats.num_draft_tokens > before
         # a request aborted on rank 0 is aborted on the worker too: the next step still agrees (digest check)
         rid = tp_tiny.engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0))
         tp_tiny.engine.step()
@@ -155,13 +163,11 @@ def tp_bundled_plain(tp_bundled) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["self_spec", "draft_model", "eagle", "medusa", "blockwise", "hybrid"])
 def test_bundled_speculation_lossless(tp_bundled, tp_bundled_plain, method):
     engine = tp_bundled.engine
-    # blockwise drafts its whole block whatever the cost model says (it reads no use_cost_model)
-    engine.set_speculative_config({"method": method} if method == "blockwise" else
-                                  {"method": method, "use_cost_model": False})
+    engine.set_speculative_config({"method": method, "use_cost_model": False})
     try:
-        before = engine.stats["num_draft_tokens"]
+        before = engine.stats.num_draft_tokens
         assert tokens(tp_bundled, SPEC_PROMPTS[:2]) == tp_bundled_plain
-        assert engine.stats["num_draft_tokens"] > before  # the drafter really drafted
+        assert engine.stats.num_draft_tokens > before  # the drafter really drafted
     finally:
         engine.set_speculative_config(None)
 

@@ -30,6 +30,7 @@ from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
+from leapdecode.layers import int8_gemm
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
@@ -69,6 +70,12 @@ def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int
             f", {brow.tok_per_s:.1f} tok/s at batch {brow.batch}" if brow else ""), file=sys.stderr, flush=True)
         result.append((row, brow))
     return result
+
+
+def _amx_note(model) -> str:
+    """Where the int8-activation kernel takes AMX tiles (kernel_plan measures from how many rows at start-up)."""
+    rows = int8_gemm.amx_rows() if getattr(model, "int8_activations", False) else 0
+    return f", AMX tiles from {rows} rows" if rows else ""
 
 
 def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
@@ -270,7 +277,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"- command: `{command}`",
         f"- machine: {machine_info()}",
         f"- model: {eng.model_path} ({wbytes / 1e6:.0f} MB of weights read per decode step; {args.dtype} compute, "
-        f"kernel formats {packed_formats(eng.model) or 'none (torch linear)'})",
+        f"kernel formats {packed_formats(eng.model) or 'none (torch linear)'}{_amx_note(eng.model)})",
         f"- measured read bandwidth: {bw:.1f} GB/s (sum over a 512 MB buffer)",
         f"- leapdecode load: {load_s:.2f} s; peak RSS after load and one request: {peak_mb:.0f} MiB (KV pool "
         f"{eng.kv_cache.nbytes / 2**20:.0f} MiB)",

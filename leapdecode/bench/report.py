@@ -121,7 +121,8 @@ def compare_to_plain(cells: list[LatencyCell]) -> None:
 
 
 def acceptance_by_position(engines: dict[str, LLM]) -> dict[str, list[float]]:
-    """Per chain method: the share of drafts accepted at each draft position, over everything it verified."""
+    """Per speculating method: the share of drafts accepted at each draft position (a tree's depth), over
+    everything it verified."""
     out = {}
     for label, llm in engines.items():
         spec = llm.engine.speculator
@@ -192,7 +193,10 @@ def quality_table(rows: list[QualityRow], hw: str, code_note: str) -> list[str]:
                      f"{_fmt(r.agreement, '.3f')} | {_fmt(r.ppl, '.3f')} | {_fmt(r.top1_share, '.3f')} | "
                      f"{r.code_pass} |")
     lines += ["", "Perplexity, agreement and top-1 share are measured where a method's tokens differ from plain "
-              "decoding (and for `none`, the reference); a method whose tokens are identical has plain decoding's."]
+              "decoding (and for `none`, the reference); a method whose tokens are identical has plain decoding's.",
+              "", "The lossy options (int8 activations, int8 KV, blockwise top-2, auto's lossy branch) against float32 "
+              "plain decoding -- wikitext2 perplexity, greedy agreement, multiple-choice accuracy with its 95% "
+              "interval -- are in quality.md beside this report (`python -m leapdecode.bench.quality --out DIR`)."]
     return lines
 
 
@@ -297,12 +301,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     if missing:
         md += ["", "## Not run here", ""] + [f"- {m}: {why}" for m, why in missing.items()]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    (out / "report.json").write_text(json.dumps({
+    data = {
         "command": command, "hardware": hw, "model": model, "batches": batches, "contexts": contexts,
+        "plot_title": f"{model} on {hw.split(',')[0]}",
         "latency": [{k: v for k, v in asdict(c).items() if k != "token_ids"} for c in cells],
         "quality": [asdict(q) for q in quality], "acceptance_by_position": accept,
-        "time_per_token_by_context": by_ctx, "not_run": missing}, indent=2))
-    write_plots(out, f"{model} on {hw.split(',')[0]}", cells, accept, by_ctx)
+        "time_per_token_by_context": by_ctx, "not_run": missing}
+    (out / "report.json").write_text(json.dumps(data, indent=2))
+    write_plots(out, data["plot_title"], data)
     print(f"wrote {out / 'report.md'}, report.json and 4 plots", file=sys.stderr)
     return 0
 

@@ -1,4 +1,6 @@
-"""The engine loop: schedule -> (propose drafts) -> one forward -> sample or verify -> append, stop, free."""
+"""The engine loop, one way per step: the speculator's draft limits (plain data) -> the scheduler decides the batch
+-> the speculator drafts from a snapshot (``Draft`` values) -> one forward -> verification (a ``Verdict``) or
+sampling -> commit, stop, free (output_assembly.py turns tokens into text and outputs)."""
 
 from __future__ import annotations
 
@@ -16,35 +18,26 @@ from leapdecode import parallel, threads
 from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
-from leapdecode.engine.detokenizer import IncrementalDetokenizer
-from leapdecode.engine.drafting import Drafting, DraftingFactory, EngineView
+from leapdecode.engine.drafting import Draft, Drafting, DraftingFactory, DraftSlot, EngineView, StepSnapshot
 from leapdecode.engine.executor import Executor, start_tensor_parallel
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
-from leapdecode.engine.scheduler import Scheduler
-from leapdecode.engine.sequence import Sequence, SequenceStatus
+from leapdecode.engine.output_assembly import EngineStats, OutputAssembler
+from leapdecode.engine.sampling import sample_rows
+from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
+from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
 from leapdecode.layers import small_gemm
-from leapdecode.layers.sampler import (
-    RowContext,
-    apply_processors,
-    logprob_rows,
-    position_logprobs,
-    processed_logits,
-    sample_from,
-)
 from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, resolve_tokenizer
 from leapdecode.models.stops import template_end_ids, unique
-from leapdecode.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from leapdecode.outputs import PositionLogprobs, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.structured import CompiledGrammar, StructuredOutputBackend, make_backend
 
 # the ids of a request's n > 1 sequences: "<request id><SEP><index>" (a separator no client id is expected to use)
 SEQ_ID_SEP = "\x1f"
-# prompt positions scored per log-softmax when a request asks for its prompt's log-probabilities
-PROMPT_LOGPROB_ROWS = 64
 
 
 class KVCapacityError(ValueError):
@@ -150,10 +143,9 @@ class LLMEngine:
         self.failed_forwards = 0  # steps in a row whose forward failed for every sequence in them (health)
         self._structured: StructuredOutputBackend | None = None  # made on the first structured request
         self._structured_lock = threading.Lock()
-        self._token_texts: dict[int, str] = {}  # decode_token's cache
         self._ids = itertools.count()
-        self.stats = {"num_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_output_tokens": 0,
-                      "num_target_steps": 0, "num_prompt_tokens": 0, "num_preemptions": 0}
+        self.stats = EngineStats()
+        self.assembler = OutputAssembler(tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
         self.speculator: Drafting | None = None
         if config.speculative_config is not None:
             with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
@@ -258,7 +250,7 @@ class LLMEngine:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
-        self.stats["num_prompt_tokens"] += n
+        self.stats.num_prompt_tokens += n
         return request_id
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
@@ -368,8 +360,7 @@ class LLMEngine:
         """What speculative decoding may see of this engine (engine/drafting.py)."""
         return EngineView(self.model, self.model_path, self.tokenizer, self.runner, self.kv_cache, self.block_manager,
                           self.config.block_size, self.config.torch_dtype, self.device, self.max_model_len,
-                          self.generator, self.num_packed_linears, self.pack_linears,
-                          lambda: list(self.scheduler.running))
+                          self.generator, self.num_packed_linears, self.pack_linears)
 
     def _drafting(self) -> DraftingFactory:
         if self.drafting is None:
@@ -387,50 +378,35 @@ class LLMEngine:
             self.executor.shutdown()
 
     def _step(self) -> list[RequestOutput]:
-        """One step. An error while processing one request (drafting for it, its forward, sampling, its grammar,
-        its log-probabilities, detokenizing) fails that request alone (``take_failed``); the others go on."""
-        spec = self.speculator
-        sched = self.scheduler.schedule(spec.budget_for if spec else None)
+        """One step, in one direction: the speculator's limits (plain data) -> the scheduler decides the batch ->
+        the speculator drafts from a snapshot of it (values) -> one forward -> verification or sampling -> the
+        tokens are committed and reported. An error while processing one request (drafting for it, its forward,
+        sampling, its grammar, its log-probabilities, detokenizing) fails that request alone (``take_failed``)."""
+        spec, sched_ = self.speculator, self.scheduler
+        limits = spec.draft_limits(sched_.decoding(), len(sched_.running)) if spec else None
+        sched = sched_.schedule(limits)
         if not sched.scheduled:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
+            if sched_.has_unfinished() and not sched_.running:
                 raise RuntimeError("no request can be scheduled: the KV cache is too small for the oldest request")
             return []
-        self.stats["num_steps"] += 1
-        self.stats["num_preemptions"] += len(sched.preempted)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(sched.preempted)
+        drafts: dict[str, Draft] = {}
         if spec:
             for seq in sched.preempted:
                 spec.preempt(seq)
-        for s in sched.scheduled:
-            s.seq.draft_token_ids, s.seq.draft_probs = [], None
-        if spec:
-            self._propose([s for s in sched.scheduled if s.spec_budget > 0])
+            slots = tuple(DraftSlot(s.seq, s.spec_budget) for s in sched.scheduled if s.spec_budget > 0)
+            if slots:
+                drafts = self._propose(StepSnapshot(slots, len(sched_.running)))
         scheduled = [s for s in sched.scheduled if not s.seq.is_finished]  # (a failed request is aborted)
-        items: list[ForwardItem] = []
-        num_prompt_rows: list[int] = []
-        for s in scheduled:
-            seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
-            reaches_end = start + n == seq.num_tokens
-            drafts = seq.draft_token_ids if reaches_end else []
-            # a request scoring its prompt also needs the logits of the prompt positions this chunk computes
-            pr = min(n, seq.num_prompt_tokens - 1 - start) if seq.prompt_logprobs is not None else 0
-            num_prompt_rows.append(max(pr, 0))
-            items.append(
-                ForwardItem(
-                    seq.block_table,
-                    start,
-                    seq.token_ids[start : start + n] + drafts,
-                    list(range(num_prompt_rows[-1])) + (list(range(n - 1, n + len(drafts))) if reaches_end else []),
-                )
-            )
-            if drafts:
-                spec.shape_item(seq, items[-1], n)  # candidate trees: RoPE depths + ancestor mask
+        items, num_prompt_rows = self._forward_items(scheduled, drafts)
         results = self._execute_contained(scheduled, items)
-
         touched: dict[str, list[Sequence]] = {}  # requests with news this step, in schedule order
         sample_seqs, sample_logits, sample_res = [], [], []
         for s, res, pr in zip(scheduled, results, num_prompt_rows):
-            if res is not None and self._alone(s.seq, lambda s=s, res=res, pr=pr: self._settle(s, res, pr, touched)):
+            draft = drafts.get(s.seq.request_id) if drafts else None
+            if res is not None and self._alone(s.seq, lambda s=s, res=res, pr=pr, d=draft: self._settle(
+                    s, res, pr, d, touched)):
                 sample_seqs.append(s.seq)
                 sample_logits.append(res.logits[-1])
                 sample_res.append(res)
@@ -438,6 +414,29 @@ class LLMEngine:
             self._sample_and_emit(sample_seqs, sample_logits, sample_res, touched)
         # (a request that failed this step was aborted: the caller hears of it through take_failed)
         return [self.make_output(g) for g in touched.values() if all(q.finish_reason != "abort" for q in g)]
+
+    def _forward_items(self, scheduled: list[ScheduledSeq],
+                       drafts: dict[str, Draft]) -> tuple[list[ForwardItem], list[int]]:
+        """The forward's items (each sequence's new tokens, then its drafts) and how many prompt rows each scores
+        for prompt log-probabilities."""
+        items: list[ForwardItem] = []
+        num_prompt_rows: list[int] = []
+        for s in scheduled:
+            seq = s.seq
+            start, n = seq.num_computed_tokens, s.num_new_tokens
+            reaches_end = start + n == seq.num_tokens
+            draft = drafts.get(seq.request_id) if drafts and reaches_end else None
+            tail = list(draft.tokens) if draft is not None else []
+            # a request scoring its prompt also needs the logits of the prompt positions this chunk computes
+            pr = max(min(n, seq.num_prompt_tokens - 1 - start), 0) if seq.prompt_logprobs is not None else 0
+            num_prompt_rows.append(pr)
+            rows = list(range(n - 1, n + len(tail))) if reaches_end else []
+            item = ForwardItem(seq.block_table, start, seq.token_ids[start : start + n] + tail,
+                               list(range(pr)) + rows if pr else rows)
+            if draft is not None:
+                self.speculator.shape_item(draft, item, n)  # type: ignore[union-attr]  # trees: depths + mask
+            items.append(item)
+        return items, num_prompt_rows
 
     def _alone(self, seq: Sequence, fn: Callable[[], Any]) -> Any:
         """``fn()``, one sequence's share of the step; when it raises, that sequence's request fails alone (None).
@@ -450,18 +449,19 @@ class LLMEngine:
             self._fail_request(seq.group_id, e)
             return None
 
-    def _propose(self, scheduled: list) -> None:
+    def _propose(self, snapshot: StepSnapshot) -> dict[str, Draft]:
         """The speculator's drafts; when the batch raises, each sequence is drafted alone and only the requests whose
         own drafting raises fail (drafts are proposals: whatever they are, the output stays lossless)."""
         spec = self.speculator
         assert spec is not None
         try:
-            spec.propose(scheduled)
+            return spec.propose(snapshot)
         except Exception:
-            for s in scheduled:
-                s.seq.draft_token_ids, s.seq.draft_probs = [], None
-            for s in scheduled:
-                self._alone(s.seq, lambda s=s: spec.propose([s]))
+            drafts: dict[str, Draft] = {}
+            for slot in snapshot.slots:
+                one = self._alone(slot.seq, lambda slot=slot: spec.propose(StepSnapshot((slot,), snapshot.num_running)))
+                drafts.update(one or {})
+            return drafts
 
     def _execute_contained(self, scheduled: list, items: list[ForwardItem]) -> list[ForwardResult | None]:
         """The step's forward; when the batch raises, each sequence runs alone and those whose own forward raises
@@ -475,12 +475,13 @@ class LLMEngine:
         self.failed_forwards = self.failed_forwards + 1 if all(r is None for r in results) else 0
         return results
 
-    def _settle(self, s, res: ForwardResult, pr: int, touched: dict[str, list[Sequence]]) -> bool:
+    def _settle(self, s: ScheduledSeq, res: ForwardResult, pr: int, draft: Draft | None,
+                touched: dict[str, list[Sequence]]) -> bool:
         """One scheduled sequence after the forward: prompt log-probabilities, chunked prefill, verification of
         its drafts. True when it still needs a token sampled from its last row."""
         seq, spec = s.seq, self.speculator
         if pr:
-            self._record_prompt_logprobs(seq, seq.num_computed_tokens, res.logits[:pr])
+            self.assembler.record_prompt_logprobs(seq, seq.num_computed_tokens, res.logits[:pr])
             res = ForwardResult(res.logits[pr:], res.hidden[pr:])
         seq.num_computed_tokens += s.num_new_tokens
         if seq.num_computed_tokens < seq.num_tokens:  # chunked prefill continues next step
@@ -491,12 +492,14 @@ class LLMEngine:
             self._finish(seq)
             touched[seq.group_id] = seq.group
             return False
-        if not seq.draft_token_ids:
+        if draft is None:
             return True
-        new_tokens, accepted, drawn = spec.verify(seq, res)
-        seq.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
-        self._emit(seq, new_tokens, self._logprobs_of(seq, drawn, new_tokens), touched)
-        spec.observe(seq, res)  # drafters reading hidden states (Medusa) get the last emitted row's
+        assert spec is not None
+        verdict = spec.verify(seq, draft, res)
+        seq.num_computed_tokens += verdict.num_accepted  # the accepted drafts' K/V are already in the cache
+        self._commit(seq, verdict.committed, self.assembler.logprobs_of(seq, verdict.drawn, verdict.committed),
+                     touched)
+        spec.observe(seq, res, draft, verdict)  # drafters reading hidden states (Medusa) get the last emitted row's
         return False
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: list[torch.Tensor], results: list[ForwardResult],
@@ -508,16 +511,23 @@ class LLMEngine:
         except Exception:
             drawn = [self._alone(q, lambda q=q, row=row: [x[0] for x in self.sample([q], row.unsqueeze(0))])
                      for q, row in zip(seqs, logits)]
-        for seq, one, res in zip(seqs, drawn, results):
+        for seq, one in zip(seqs, drawn):
             if one is not None:
-                self._alone(seq, lambda seq=seq, one=one, res=res: self._append_sampled(seq, one, res, touched))
+                self._alone(seq, lambda seq=seq, one=one: self._commit(seq, [one[0]], one[1], touched))
+        spec = self.speculator
+        if spec is not None:  # the drafters see the step's sampled rows (each sequence alone when that raises)
+            live = [(q, r) for q, r in zip(seqs, results) if not q.is_finished]
+            try:
+                spec.observe_sampled([q for q, _ in live], [r for _, r in live])
+            except Exception:
+                for q, r in live:
+                    self._alone(q, lambda q=q, r=r: spec.observe_sampled([q], [r]))
 
-    def _append_sampled(self, seq: Sequence, drawn: tuple, res: ForwardResult,
-                        touched: dict[str, list[Sequence]]) -> None:
-        tok, logprobs = drawn
-        self._emit(seq, [tok], logprobs, touched)
-        if self.speculator:
-            self.speculator.observe(seq, res)
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[list[PositionLogprobs] | None]]:
+        """One token per sequence from its last logits row, and its log-probability entry (engine/sampling.py)."""
+        return sample_rows(seqs, logits, self.generator, self.assembler.decode_token)
 
     def _execute(self, items: list[ForwardItem]):
         """The target's forward pass for one step, with the thread count the tuner picks for it."""
@@ -537,110 +547,12 @@ class LLMEngine:
             self.speculator.observe_step(rows, dt)
         return results
 
-    def sample(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[int], list[list[PositionLogprobs] | None]]:
-        """One token per sequence from its last logits row (processors, then greedy or a draw), and its
-        log-probability entry where the request asked for them."""
-        if any(s.params.has_processors for s in seqs):
-            logits = apply_processors(logits, [row_context(s) for s in seqs])
-        tokens = logits.argmax(dim=-1).tolist()
-        rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if rand:
-            probs = torch.softmax(processed_logits(logits[rand], [seqs[i].params for i in rand]), dim=-1)
-            for j, i in enumerate(rand):
-                tokens[i] = sample_from(probs[j], seqs[i].generator or self.generator)
-        logprobs = [
-            None if s.params.logprobs is None else self._logprobs_of(s, logits[i : i + 1], [tokens[i]])
-            for i, s in enumerate(seqs)
-        ]
-        return tokens, logprobs
-
-    def _logprobs_of(
-        self, seq: Sequence, drawn: torch.Tensor | None, tokens: list[int]
-    ) -> list[PositionLogprobs] | None:
-        """Log-probability entries of ``tokens``, drawn from the rows of processed logits ``drawn``."""
-        if seq.params.logprobs is None or drawn is None:
-            return None
-        return position_logprobs(logprob_rows(drawn, seq.params), tokens, seq.params.logprobs, self.decode_token)
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        """Rows of the prompt positions ``start ..`` predict the prompt tokens after them: log-softmax of the
-        model's raw logits (no processors apply to the prompt)."""
-        assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
-        m = logits.shape[0]
-        # a few rows at a time: a whole prefill chunk's float32 log-softmax (and its rank comparison) would hold
-        # several [rows, vocab] copies at once (gigabytes for a 2k-token chunk of a 150k vocabulary)
-        for lo in range(0, m, PROMPT_LOGPROB_ROWS):
-            hi = min(m, lo + PROMPT_LOGPROB_ROWS)
-            targets = seq.token_ids[start + 1 + lo : start + 1 + hi]
-            entries = position_logprobs(
-                torch.log_softmax(logits[lo:hi].float(), dim=-1), targets, seq.params.prompt_logprobs,
-                self.decode_token,
-            )
-            seq.prompt_logprobs[start + 1 + lo : start + 1 + hi] = entries
-
-    def decode_token(self, token_id: int) -> str | None:
-        """One token's text for log-probability entries (special tokens included), cached per id."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def _emit(
-        self,
-        seq: Sequence,
-        new_tokens: list[int],
-        logprobs: list[PositionLogprobs] | None,
-        touched: dict[str, list[Sequence]],
-    ) -> None:
-        """Append tokens one by one (with their log-probabilities and the grammar advanced), honouring stop
-        conditions inside an accepted run; ``touched`` collects the requests to report this step."""
-        now = time.perf_counter()
-        m = seq.metrics
-        m.num_target_steps += 1
-        self.stats["num_target_steps"] += 1
-        if m.ttft_s is None:
-            m.ttft_s = now - seq.arrival_time
-        p = seq.params
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.decode)
-        for j, tok in enumerate(new_tokens):
-            seq.token_ids.append(tok)
-            m.num_output_tokens += 1
-            self.stats["num_output_tokens"] += 1
-            if logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(logprobs[j])
-                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprobs[j][tok].logprob
-            if seq.grammar is not None and not seq.grammar.accept(tok):
-                raise RuntimeError(f"token {tok} broke request {seq.group_id!r}'s grammar although it was masked")
-            # a grammar that has ended allows no further token: the output is complete, min_tokens or not (the
-            # sampler lets the grammar's stop token through when min_tokens masks everything else)
-            ended = seq.grammar is not None and seq.grammar.is_terminated()
-            if m.num_output_tokens < p.min_tokens and not ended:
-                # no stop condition before min_tokens (stop tokens are masked until then); the text moves on, so
-                # a stop string in it is not found later by the first check of an accepted run past min_tokens
-                if p.stop_list:
-                    seq.detokenizer.append(seq.output_token_ids)
-            elif tok in seq.stop_ids:
-                seq.finish_reason = "stop"
-                seq.stop_reason = None if tok in self.eos_token_ids and tok not in (p.stop_token_ids or []) else tok
-            elif p.stop_list and self._check_stop_strings(seq):
-                pass
-            elif ended:
-                seq.finish_reason = "stop"  # the structured output is complete
-            if not seq.finish_reason and (m.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                break
-        if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):  # a stop string cut the text
-            if seq.finish_reason:
-                seq.output_text = seq.detokenizer.finish(seq.output_token_ids)
-            else:
-                seq.detokenizer.append(seq.output_token_ids)
-                seq.output_text = seq.detokenizer.text
+    def _commit(self, seq: Sequence, new_tokens: list[int], logprobs: list[PositionLogprobs] | None,
+                touched: dict[str, list[Sequence]]) -> None:
+        """Append a step's tokens to ``seq`` (output_assembly.py: text, stop conditions, log-probabilities), give
+        back the slots reserved for rejected drafts and finish it when a stop condition held; ``touched`` collects
+        the requests to report this step."""
+        self.assembler.append(seq, new_tokens, logprobs)
         # the cache holds num_computed_tokens positions; give back slots reserved for rejected drafts
         self.block_manager.trim(seq, seq.num_computed_tokens)
         self.block_manager.commit_full_blocks(seq)
@@ -648,26 +560,8 @@ class LLMEngine:
             self._finish(seq)
         touched[seq.group_id] = seq.group
 
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        """After each token: does the text now contain a stop string? Only the tail can hold a new one (the text
-        before this token held none), so the search starts ``len(stop) - 1`` characters before the new text."""
-        assert seq.detokenizer is not None
-        before = len(seq.detokenizer.text)
-        if not seq.detokenizer.append(seq.output_token_ids):
-            return False
-        text = seq.detokenizer.text
-        hits = [(i, s) for s in seq.params.stop_list if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        seq.output_text = text[: pos + len(stop)] if seq.params.include_stop_str_in_output else text[:pos]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
-
     def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.assembler.decode(token_ids)
 
     def _finish(self, seq: Sequence) -> None:
         seq.metrics.e2e_s = time.perf_counter() - seq.arrival_time
@@ -676,46 +570,9 @@ class LLMEngine:
             self.requests.pop(seq.group_id, None)
         if self.speculator:
             self.speculator.release(seq)
-        self.stats["num_draft_tokens"] += seq.metrics.num_draft_tokens
-        self.stats["num_accepted_tokens"] += seq.metrics.num_accepted_tokens
+        self.stats.num_draft_tokens += seq.metrics.num_draft_tokens
+        self.stats.num_accepted_tokens += seq.metrics.num_accepted_tokens
 
     def make_output(self, group: list[Sequence]) -> RequestOutput:
         """The request's state: one completion per sequence of ``group`` (its n samples), by index."""
-        first = group[0]
-        outs = [
-            CompletionOutput(
-                s.index, s.output_text, s.output_token_ids, s.finish_reason, s.stop_reason,
-                None if s.logprobs is None else list(s.logprobs), s.cumulative_logprob,
-            )
-            for s in group
-        ]
-        return RequestOutput(
-            request_id=first.group_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outs,
-            finished=all(s.status == SequenceStatus.FINISHED for s in group),
-            metrics=first.metrics if len(group) == 1 else merged_metrics([s.metrics for s in group]),
-            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-        )
-
-
-def row_context(seq: Sequence) -> RowContext:
-    """What the logits processors need to score ``seq``'s next token."""
-    allowed = seq.grammar.allowed_tokens() if seq.grammar is not None else None
-    return RowContext(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_ids, allowed)
-
-
-def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
-    """One request's metrics over its n sequences: counts add up; time to first token is the earliest, the
-    end-to-end time the latest (None until every sequence finished)."""
-    m = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens)
-    for name in ("num_cached_prompt_tokens", "num_output_tokens", "num_target_steps", "num_draft_tokens",
-                 "num_accepted_tokens", "num_drafts", "num_preemptions", "num_lossy_tokens"):
-        setattr(m, name, sum(getattr(p, name) for p in parts))
-    m.accepted_per_pos = [sum(c) for c in itertools.zip_longest(*(p.accepted_per_pos for p in parts), fillvalue=0)]
-    ttfts = [p.ttft_s for p in parts if p.ttft_s is not None]
-    m.ttft_s = min(ttfts) if ttfts else None
-    e2e = [p.e2e_s for p in parts]
-    m.e2e_s = None if any(t is None for t in e2e) else max(e2e)  # type: ignore[type-var]
-    return m
+        return self.assembler.make_output(group)

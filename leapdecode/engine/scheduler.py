@@ -24,7 +24,7 @@ prompt's last, partial block.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from leapdecode.engine.block_manager import BlockManager
@@ -76,10 +76,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, spec_budget_of: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
-        """Plan one step. ``spec_budget_of(seq) -> int`` says how many draft tokens a decoding sequence would
-        like to verify; the budget reserved for them is the *most* that will run (drafters may propose
-        fewer)."""
+    def decoding(self) -> list[Sequence]:
+        """The running sequences whose next step computes one token (their last): those that may verify drafts."""
+        return [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+
+    def schedule(self, draft_limits: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """Plan one step. ``draft_limits`` (request id -> tokens; plain data, given before the step) says how many
+        draft tokens a decoding sequence would like to verify; the budget reserved for them is the *most* that
+        will run (drafters may propose fewer)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=lambda s: s.arrival)
@@ -91,8 +95,8 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             k = 0
-            if n == 1 and spec_budget_of is not None:
-                k = max(0, min(spec_budget_of(seq), budget - 1))
+            if n == 1 and draft_limits:
+                k = max(0, min(draft_limits.get(seq.request_id, 0), budget - 1))
             # make room, preempting the newest running sequences (possibly this one) until it fits
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n + k):
                 if k:

@@ -89,9 +89,6 @@ class Sequence:
         if params.prompt_logprobs is not None and index == 0:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.grammar: GrammarMatcher | None = None  # structured output: set by the engine
-        # this step's drafts (speculative decoding), set by the speculator and verified by the engine in the step
-        self.draft_token_ids: list[int] = []
-        self.draft_probs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------ views
     @property

@@ -23,6 +23,7 @@ import torch
 
 from leapdecode.bench.external import llamacpp_step_costs, run_isolated
 from leapdecode.engine.model_runner import ForwardItem
+from leapdecode.layers import int8_gemm
 from leapdecode.llm import LLM
 from leapdecode.threads import THREADS_HELP, available_cpus
 
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for kernel in (k for k in a.linear_kernels.split(",") if k):
         llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
         path = str(llm.engine.model_path)
+        if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
+            print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
         for shape in shapes:
             lines.append(format_row(f"leapdecode {kernel}, {shape}", step_costs(llm, rows, a.context, shape,
                                                                                 a.repeats)))

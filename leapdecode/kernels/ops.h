@@ -11,8 +11,13 @@
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed);
 // int8_gemm.cpp: int8 activations
-torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed);
+// amx_rows: AMX tiles (amx_int8.cpp, the same results) for calls of at least this many rows where the CPU has
+// them; -1: the setting of set_a8_amx_rows (0: never)
+torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed, int64_t amx_rows = -1);
 std::string a8_isa();
+void set_a8_amx_rows(int64_t rows);
+int64_t a8_amx_rows();
+bool a8_amx_available();  // amx_int8.cpp
 // gguf_blocks.cpp: GGUF blocks <-> records
 void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Tensor out);
 torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows);

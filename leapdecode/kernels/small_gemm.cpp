@@ -514,7 +514,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_gguf", &repack_gguf, "raw GGUF blocks [N, row bytes] (rows permuted) -> kernel records out [N/16, K/32, bytes]");
   m.def("unpack_records", &unpack_records, "float32 rows of kernel records (bitwise gguf's dequantisation)");
   m.def("natural_kind", &natural_kind, "the record kind of a ggml quantization type id (-1: none)");
-  m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI)");
+  m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI or AMX)",
+        py::arg("x"), py::arg("packed"), py::arg("amx_rows") = -1);
+  m.def("set_a8_amx_rows", &set_a8_amx_rows, "the fewest rows a8_linear runs on AMX tiles (0: never)");
+  m.def("a8_amx_available", &a8_amx_available, "whether AMX-INT8 tiles are usable here (CPU and OS grant)");
+  m.def("a8_amx_rows", &a8_amx_rows, "that setting where AMX tiles are usable here, else 0");
   m.def("a8_isa", &a8_isa, "what a8_linear was built for: avx512-vnni, avx2, or portable (a slow scalar loop)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");

@@ -6,6 +6,8 @@ records have their own int8 forms (layers/block_formats.py).
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,3 +82,44 @@ def int8_activation_isa() -> str | None:
     ext = extension.load_kernel()
     return None if ext is None else ext.a8_isa()
 
+
+
+# row counts the start-up measurement times the two int8 paths at (the one-row step stays on the VNNI loop)
+AMX_PROBE_ROWS = (2, 4, 8, 16, 32, 64)
+
+
+def amx_rows() -> int:
+    """The fewest rows the int8-activation kernel gives to AMX tiles here (0: never, or no AMX-INT8 here)."""
+    ext = extension.load_kernel()
+    return 0 if ext is None else int(ext.a8_amx_rows())
+
+
+def choose_amx_rows(packed: torch.Tensor, repeats: int = 5) -> int:
+    """Time the VNNI loop against AMX tiles on ``packed`` (int8-activation records) at each of AMX_PROBE_ROWS
+    and set the kernel's threshold to the fewest rows from which tiles are faster at every larger count (0 where
+    they never are, or where this CPU or OS has none). Both paths give bitwise the same results, so the choice,
+    however noisy the machine, changes speed only. Returns the threshold."""
+    ext = extension.load_kernel()
+    if ext is None or not ext.a8_amx_available():
+        return 0
+    k = packed.shape[1] * (256 if packed.shape[2] in (A8_Q4K_LINES, A8_Q6K_LINES) else 32)
+    faster = []
+    for rows in AMX_PROBE_ROWS:
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        cost = {}
+        for path in (0, 1):  # amx_rows 0: the VNNI loop; 1: tiles
+            ext.a8_linear(x, packed, amx_rows=path)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ext.a8_linear(x, packed, amx_rows=path)
+                times.append(time.perf_counter() - t0)
+            cost[path] = statistics.median(times)
+        faster.append(cost[1] < cost[0])
+    threshold = 0
+    for rows, fast in zip(reversed(AMX_PROBE_ROWS), reversed(faster)):
+        if not fast:
+            break
+        threshold = rows
+    ext.set_a8_amx_rows(threshold)
+    return threshold

@@ -45,7 +45,12 @@ class KernelPlan:
         sources = Counter(self.packed.values())
         return (f"{len(self.packed)} packed projections ({', '.join(f'{n} {s}' for s, n in sorted(sources.items()))})"
                 f", {len(self.op_kernels)} op kernels, {len(self.fused_layers)} fused decoder layers"
-                + (", int8 activations" if self.int8_activations else ""))
+                + (self._int8_paths() if self.int8_activations else ""))
+
+    @staticmethod
+    def _int8_paths() -> str:
+        rows = int8_gemm.amx_rows()
+        return ", int8 activations" + (f" (AMX tiles from {rows} rows)" if rows else "")
 
 
 def _packed_source(mod: KernelWeight, use_blocks: bool, int8_activations: bool) -> str | None:
@@ -54,8 +59,7 @@ def _packed_source(mod: KernelWeight, use_blocks: bool, int8_activations: bool) 
     has_blocks = owner.quant is not None or (int8_activations and getattr(owner, "block_quantized", None) is not None)
     if use_blocks and has_blocks:
         return "blocks"
-    weight = mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight()
-    return "panels" if small_gemm.packable(weight) else None
+    return "panels" if small_gemm.packable(owner.dense_weight()) else None
 
 
 def plan_kernels(model: torch.nn.Module, use_blocks: bool = True, int8_activations: bool = False) -> KernelPlan:
@@ -83,7 +87,10 @@ def _packed_form(mod: KernelWeight, source: str, plan: KernelPlan) -> torch.Tens
         if owner.quant is not None:
             return owner.quant.int8_activation_records() if plan.int8_activations else owner.quant.records
         return owner.block_quantized.pack_int8_activations()
-    return small_gemm.pack(mod.get_weight() if hasattr(mod, "get_weight") else mod.dense_weight())
+    # this rank's own rows: a vocabulary-parallel head gathers its shard's logits after the kernel (packing the
+    # gathered whole vocabulary here would make every rank's logits as many vocabularies wide as there are ranks)
+    owner = mod.owner() if hasattr(mod, "owner") else mod
+    return small_gemm.pack(owner.dense_weight())
 
 
 def apply_plan(model: torch.nn.Module, plan: KernelPlan) -> int:
@@ -113,7 +120,21 @@ def use_kernels(model: torch.nn.Module, required: bool = False, use_blocks: bool
     if int8_activations and int8_gemm.int8_activation_isa() == "portable":
         warnings.warn("int8 activations on a CPU without AVX2 run a slow portable loop (exact, but several times "
                       "slower than float32)", stacklevel=2)
-    return apply_plan(model, plan_kernels(model, use_blocks, int8_activations))
+    plan = plan_kernels(model, use_blocks, int8_activations)
+    n = apply_plan(model, plan)
+    if plan.int8_activations:
+        _choose_amx_rows(model, plan)
+    return n
+
+
+def _choose_amx_rows(model: torch.nn.Module, plan: KernelPlan) -> None:
+    """Where AMX-INT8 tiles exist, from how many rows a step's projections take them: measured on the largest
+    int8-activation weight of the decoder layers (int8_gemm.choose_amx_rows), once per model packed."""
+    modules = dict(model.named_modules())
+    weights = [modules[n].packed for n in plan.packed if ".layers." in f".{n}"]
+    weights = [w for w in weights if isinstance(w, torch.Tensor) and w.dim() == 4]
+    if weights:
+        int8_gemm.choose_amx_rows(max(weights, key=lambda w: w.numel()))
 
 
 def use_int8_drafting(module: torch.nn.Module) -> int:

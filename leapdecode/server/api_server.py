@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: :func:`build_app` (``leapdecode serve`` runs it, see :mod:`.serve`).
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both non-streaming and SSE streaming),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``,
-``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/embeddings``. The model answers to its own name and to
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (all three
+non-streaming and SSE streaming), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``, ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/embeddings``,
+and llama-server's ``GET /props`` and ``GET /slots``. The model answers to its own name and to
 ``default``. All requests share one engine loop (see :mod:`leapdecode.server.async_engine`); the routes live in
 :mod:`leapdecode.server.routes`, their shared plumbing in :mod:`leapdecode.server.serving`, the streaming
 invariants in :mod:`leapdecode.server.streaming`. A 500 means a server bug.
@@ -30,7 +31,9 @@ from leapdecode.server.errors import install_error_handlers
 from leapdecode.server.metrics import ServerMetrics
 from leapdecode.server.middleware import ApiKeyAuth, RequestId, StatusCounter
 from leapdecode.server.openapi import install_component_schemas
-from leapdecode.server.routes import admin, chat, completions, embeddings, tokens
+from leapdecode.server.props import PropsResponse, SlotsResponse
+from leapdecode.server.responses import ResponseObject, ResponsesRequest
+from leapdecode.server.routes import admin, chat, completions, embeddings, props, responses, tokens
 from leapdecode.server.serving import Serving, as_llm, default_model_name
 from leapdecode.server.stats_log import StatsLogger
 
@@ -49,6 +52,7 @@ def build_app(
     embedding_pooling: Pooling = "last",
     body_read_timeout_s: float | None = DEFAULT_BODY_READ_TIMEOUT_S,
     request_timeout_s: float | None = None,
+    share_output: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine``. The engine thread starts and stops with the app's lifespan,
     so while the app runs, nothing else may call the engine. Request bodies over ``max_request_bytes`` get 413.
@@ -60,7 +64,8 @@ def build_app(
     ``embedding_pooling``: how ``/v1/embeddings`` pools hidden states (``last`` token or ``mean``).
     ``body_read_timeout_s``: a body that takes longer to arrive gets 408. ``request_timeout_s``: a request still
     generating that long after the engine accepted it is stopped (its KV freed) and answered 408 (streamed: an
-    error event); None: no limit."""
+    error event); None: no limit. ``share_output``: the ``SamplingParams.share_output`` of requests that do not set
+    it (False: their outputs never join what other requests draft from, the suffix method's global tree)."""
     if embedding_pooling not in POOLINGS:
         raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     if api_key is not None and not api_key:
@@ -77,7 +82,7 @@ def build_app(
     metrics.attach(aengine)
     serving = Serving(
         llm, name, aengine, metrics, max_request_bytes, chat_output,
-        body_timeout_s=body_read_timeout_s, request_timeout_s=request_timeout_s,
+        body_timeout_s=body_read_timeout_s, request_timeout_s=request_timeout_s, share_output=share_output,
     )
 
     stats_logger = StatsLogger(aengine, log_stats_interval) if log_stats_interval is not None else None
@@ -103,7 +108,7 @@ def build_app(
     app.state.model_name = serving.name
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (admin, chat, completions, tokens):
+    for module in (admin, chat, completions, tokens, props, responses):
         module.add_routes(app, serving)
     embeddings.add_routes(app, serving, embedding_pooling)
     endpoints = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
@@ -123,13 +128,13 @@ def build_app(
     install_component_schemas(
         app,
         [(m, "validation") for m in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeRequest)]
-        + [(P.DetokenizeRequest, "validation"), (EmbeddingRequest, "validation")]
+        + [(P.DetokenizeRequest, "validation"), (EmbeddingRequest, "validation"), (ResponsesRequest, "validation")]
         + [
             (m, "serialization")
             for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
         ]
         + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
-        + [(EmbeddingResponse, "serialization")]
+        + [(m, "serialization") for m in (EmbeddingResponse, ResponseObject, PropsResponse, SlotsResponse)]
         + [(P.ErrorResponse, "serialization")],
     )
     return app

@@ -40,11 +40,13 @@ from leapdecode.engine.executor import WorkerDiedError
 from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.server.props import SlotState, drafter_memory, slot_states
 from leapdecode.structured import CompiledGrammar
 
 logger = logging.getLogger("leapdecode.server")
 # steps in a row that fail as a whole (or whose forward fails for every request) before /health says 503
 FAILING_STEPS = 3
+DRAFTER_MEMORY_EVERY_S = 1.0  # how often the engine thread re-measures its drafters' memory
 
 
 class QueueFullError(Exception):
@@ -128,13 +130,17 @@ class StreamOutput:
 
 @dataclass(frozen=True)
 class EngineGauges:
-    """Engine state published by the engine thread after every iteration (read by ``/metrics``)."""
+    """Engine state published by the engine thread after every iteration (read by ``/metrics``, ``/slots`` and
+    ``/props``): ``slots`` every unfinished sequence, ``drafter_memory`` bytes per drafter (measured at most every
+    ``DRAFTER_MEMORY_EVERY_S``)."""
 
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     num_running: int = 0
     num_waiting: int = 0
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    slots: tuple[SlotState, ...] = ()
+    drafter_memory: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class _Accepted:
@@ -219,7 +225,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.num_queued = 0
-        self.gauges = EngineGauges(kv_blocks_total=engine.block_manager.num_blocks, stats=dict(engine.stats))
+        self.gauges = EngineGauges(kv_blocks_total=engine.block_manager.num_blocks, stats=engine.stats.as_dict())
         self.on_first_token = on_first_token
         self.on_finish = on_finish
         self.on_abort = on_abort
@@ -231,6 +237,7 @@ class AsyncEngine:
         self._dead: str | None = None  # why the engine can never serve again (a tensor-parallel worker died)
         self._failing_steps = 0  # consecutive steps that raised as a whole
         self._last_failure = ""  # the kind of error the last of them raised
+        self._memory_at = float("-inf")  # when drafter_memory was last measured
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @property
@@ -388,12 +395,17 @@ class AsyncEngine:
     def _publish(self) -> None:
         eng = self.engine
         bm = eng.block_manager
+        memory = self.gauges.drafter_memory
+        if time.monotonic() - self._memory_at >= DRAFTER_MEMORY_EVERY_S:
+            memory, self._memory_at = drafter_memory(eng), time.monotonic()
         self.gauges = EngineGauges(
             kv_blocks_in_use=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
             num_running=len(eng.scheduler.running),
             num_waiting=len(eng.scheduler.waiting),
-            stats=dict(eng.stats),
+            stats=eng.stats.as_dict(),
+            slots=slot_states(eng),
+            drafter_memory=memory,
         )
 
     def _take_commands(self, block: bool) -> list[tuple[Any, ...]]:

@@ -16,7 +16,8 @@ Engine-wide series (read at scrape time from the snapshot the engine thread publ
   (1.0 without speculation).
 * ``leapdecode_kv_blocks_in_use``, ``leapdecode_kv_blocks_total``, ``leapdecode_queue_length``
   (requests waiting for their first token), ``leapdecode_num_requests_running``,
-  ``leapdecode_num_requests_waiting`` — gauges.
+  ``leapdecode_num_requests_waiting``, ``leapdecode_drafter_memory_bytes{method}`` (what each speculative drafter
+  holds: weights, Token Recycling's successor matrix, the suffix tries) — gauges.
 
 vLLM's names and meanings, where they apply, each with a ``model_name`` label (dashboards built for vLLM read them
 as they are):
@@ -111,6 +112,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "leapdecode_num_requests_waiting", "Requests waiting in the scheduler.", value=g.num_waiting
         )
+        memory = GaugeMetricFamily("leapdecode_drafter_memory_bytes",
+                                   "Bytes each speculative drafter holds (weights, successor matrix, suffix tries).",
+                                   labels=["method"])
+        for method, nbytes in sorted(g.drafter_memory.items()):
+            memory.add_metric([method], nbytes)
+        yield memory
 
 
 class VllmRequestMetrics:

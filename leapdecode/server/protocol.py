@@ -152,6 +152,9 @@ class _SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     # leapdecode extension: ``false`` opts this request out of speculative decoding
     speculative: StrictBool = True
+    # leapdecode extension: whether the output may join what other requests draft from (the suffix method's global
+    # tree); null: the server's default (``leapdecode serve --no-share-output`` makes it false)
+    share_output: StrictBool | None = None
 
     def check_supported(self) -> None:
         """Raise ``APIError`` for field combinations that leapdecode does not serve."""
@@ -202,6 +205,7 @@ class _SamplingRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "speculative": self.speculative,
+            "share_output": True if self.share_output is None else self.share_output,
             "n": self.n or 1,
             "min_tokens": self.min_tokens,
             "logit_bias": self.token_bias(),

@@ -187,6 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         embedding_pooling=args.embedding_pooling,
         body_read_timeout_s=args.body_read_timeout,
         request_timeout_s=args.request_timeout,
+        share_output=not args.no_share_output,
     )
     name = app.state.model_name
     logging.getLogger("leapdecode.server").info(startup_summary(llm.engine, name))

@@ -1,8 +1,9 @@
 """The ``serve`` flags users bring from vLLM: a positional model (``leapdecode serve MODEL``), ``--config FILE.yaml``
 (keys are flag names; the command line wins), the engine flags (``--gpu-memory-utilization``, ``--enforce-eager``,
 ``--swap-space``, ``--seed``, ``--revision``, ``--tokenizer``; unset ones keep the engine's defaults), the chat
-answer's parsers (``--tool-call-parser``, ``--reasoning-parser``), the pooling of ``/v1/embeddings`` and the stats
-log (``--log-interval``, ``--disable-log-stats``)."""
+answer's parsers (``--tool-call-parser``, ``--reasoning-parser``), the pooling of ``/v1/embeddings``, the stats
+log (``--log-interval``, ``--disable-log-stats``) and whether outputs join other requests' drafts by default
+(``--no-share-output``)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ def add_user_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-interval", type=float, default=DEFAULT_LOG_INTERVAL_S, metavar="S",
                    help=f"log engine stats every S seconds while there is work (default: {DEFAULT_LOG_INTERVAL_S:g})")
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    p.add_argument("--no-share-output", action="store_true",
+                   help="requests that do not set share_output keep their outputs out of what other requests draft "
+                        "from (the suffix method's global tree); for a server shared by users who must not see each "
+                        "other's text (default: shared, as in the Python API)")
 
 
 def _action(parser: argparse.ArgumentParser, key: str) -> argparse.Action:

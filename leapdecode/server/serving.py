@@ -121,8 +121,10 @@ class Serving:
         chat_output: ChatOutputConfig | None = None,
         body_timeout_s: float | None = None,
         request_timeout_s: float | None = None,
+        share_output: bool = True,
     ) -> None:
         self.llm = llm
+        self.share_output = share_output  # the SamplingParams.share_output of requests that do not say
         self.chat_output = chat_output or ChatOutputConfig()
         self.body_timeout_s = body_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -247,6 +249,7 @@ class Serving:
         self.check_token_ids(list(req.token_bias() or ()), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         default_max = self.engine.max_tokens_fitting(n_prompt, req.n or 1)  # the n samples' KV fits
+        extra.setdefault("share_output", self.share_output if req.share_output is None else req.share_output)
         try:
             return req.to_sampling_params(default_max, **extra)
         except ValueError as e:
@@ -465,6 +468,12 @@ class Serving:
         once every request finished."""
         if streaming:
             return self.stream_response(streams, n, chunk, usage_chunk if include_usage else None)
+        return await self.answer(request, streams, body)
+
+    async def answer(
+        self, request: Request, streams: list[RequestStream], body: Callable[[list[StreamOutput]], BaseModel]
+    ) -> Any:
+        """One body once every request finished, within the request timeout (499 when the client left)."""
         try:  # on time-out collect is cancelled, which aborts the streams (freeing their KV blocks)
             finals = await asyncio.wait_for(self.collect(request, streams), self.request_timeout_s)
         except asyncio.TimeoutError:

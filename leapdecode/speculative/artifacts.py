@@ -7,8 +7,9 @@ An artifact is a folder with
 - one safetensors file of weights (``adapter.safetensors`` or ``heads.safetensors``);
 - ``record.json``: how it was made (the exact command, data digest and manifest, seed, history, timings).
 
-Two kinds: an *exit adapter* (``ExitAdapter``: self_spec's exit, a trained small draft, EAGLE's feature draft)
-and *heads* (``MedusaHeads``: Medusa trees, blockwise chains, a hybrid's branches). Folders in the format before
+Three kinds: an *exit adapter* (``ExitAdapter``: self_spec's exit, a trained small draft, EAGLE's feature draft),
+*heads* (``MedusaHeads``: Medusa trees, a hybrid's branches) and *block heads* (``BlockHeads``: blockwise
+decoding's proposals, with their block-causal attention layer). Folders in the format before
 this one are refused with an error that says to retrain (every shipped artifact uses this one).
 
 The package ships one artifact per method for the bundled SmolLM2-135M-Instruct under ``leapdecode/artifacts/``;
@@ -36,6 +37,7 @@ from leapdecode.atomic_files import (
 )
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.llama import LlamaForCausalLM
+from leapdecode.speculative.block_heads import BlockHeads
 from leapdecode.speculative.exit_adapter import ExitAdapter
 from leapdecode.speculative.heads import MedusaHeads
 
@@ -44,7 +46,7 @@ SELF_SPEC_DIR = ARTIFACTS_ROOT / "self_spec"  # the exit adapter (``leapdecode t
 DRAFT_DIR = ARTIFACTS_ROOT / "draft_model"  # the small draft: an adapter with L = 0 (``leapdecode train draft-model``)
 EAGLE_DIR = ARTIFACTS_ROOT / "eagle"  # the feature-conditioned draft (``leapdecode train eagle``)
 MEDUSA_DIR = ARTIFACTS_ROOT / "medusa"  # pyramid heads (``leapdecode train medusa``)
-BLOCKWISE_DIR = ARTIFACTS_ROOT / "blockwise"  # one head per offset (``leapdecode train blockwise``)
+BLOCKWISE_DIR = ARTIFACTS_ROOT / "blockwise"  # block heads (``leapdecode train blockwise``)
 # per kind of adapter drafter, the command that trains one
 TRAIN_COMMANDS = {"self_spec": "`leapdecode train self-spec`", "draft_model": "`leapdecode train draft-model`",
                   "eagle": "`leapdecode train eagle`"}
@@ -55,6 +57,7 @@ ADAPTER_WEIGHTS = "adapter.safetensors"
 HEADS_WEIGHTS = "heads.safetensors"
 ADAPTER_TYPE = "leapdecode.exit_adapter"
 HEADS_TYPE = "leapdecode.medusa_heads"
+BLOCK_HEADS_TYPE = "leapdecode.blockwise_heads"  # BlockHeads: blockwise decoding's block-causal proposal heads
 # the target's architecture fields an adapter must match to run on it
 ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
@@ -267,16 +270,19 @@ def save_heads(
     write_artifact(folder, HEADS_TYPE, tensors, cfg, record)
 
 
-def read_heads_config(folder: str | Path) -> dict[str, Any]:
+def read_heads_config(folder: str | Path, kind: str = HEADS_TYPE) -> dict[str, Any]:
+    """The config of a heads artifact of ``kind`` (``HEADS_TYPE`` or ``BLOCK_HEADS_TYPE``)."""
     folder = Path(folder)
+    command = "train blockwise" if kind == BLOCK_HEADS_TYPE else "train medusa"
     if not (folder / HEADS_WEIGHTS).is_file() or not (folder / CONFIG_FILE).is_file():
         raise FileNotFoundError(
-            f"no Medusa heads in {folder} (need {HEADS_WEIGHTS} and {CONFIG_FILE}); train them with "
-            "`leapdecode train medusa --data DIR --out FOLDER` (see leapdecode/train/medusa.py)"
+            f"no heads in {folder} (need {HEADS_WEIGHTS} and {CONFIG_FILE}); train them with "
+            f"`leapdecode {command} --data DIR --out FOLDER`"
         )
     cfg = _read_json(folder / CONFIG_FILE)
-    if artifact_type(cfg) != HEADS_TYPE:
-        raise ValueError(f"{folder}/{CONFIG_FILE} is not a {HEADS_TYPE} artifact (type={cfg.get('type')!r})")
+    if artifact_type(cfg) != kind:
+        raise ValueError(f"{folder}/{CONFIG_FILE} is not a {kind} artifact (type={cfg.get('type')!r}); train one "
+                         f"with `leapdecode {command}`")
     for key in ("hidden_size", "offsets"):
         if key not in cfg:
             raise ValueError(f"{folder}/{CONFIG_FILE} lacks {key!r}: the artifact is incomplete; retrain it")
@@ -298,11 +304,11 @@ def load_heads(folder: str | Path) -> tuple[MedusaHeads, torch.Tensor | None, di
     return heads.requires_grad_(False).eval(), subset, cfg
 
 
-def shipped_heads_for(target: LlamaForCausalLM, folder: Path = MEDUSA_DIR) -> Path | None:
-    """The shipped heads in ``folder`` (Medusa's, or blockwise's) when they were trained for this target (same
-    shapes and LM-head fingerprint), else None; ``auto`` only offers them then."""
+def shipped_heads_for(target: LlamaForCausalLM, folder: Path = MEDUSA_DIR, kind: str = HEADS_TYPE) -> Path | None:
+    """The shipped heads of ``kind`` in ``folder`` (Medusa's, or blockwise's) when they were trained for this
+    target (same shapes and LM-head fingerprint), else None; ``auto`` only offers them then."""
     try:
-        meta = read_heads_config(folder)
+        meta = read_heads_config(folder, kind)
     except (OSError, ValueError):
         return None
     mcfg = target.config
@@ -315,12 +321,40 @@ def shipped_heads_for(target: LlamaForCausalLM, folder: Path = MEDUSA_DIR) -> Pa
     return folder
 
 
-def check_heads_fit(folder: Path, heads: MedusaHeads, meta: dict[str, Any], target: LlamaForCausalLM,
+def save_block_heads(folder: str | Path, heads: BlockHeads, vocab_subset: torch.Tensor | None, meta: dict[str, Any],
+                     record: dict[str, Any] | None = None, dtype: torch.dtype = torch.float16) -> None:
+    """Write a block-heads artifact: every parameter of ``heads`` (fp16), the vocabulary subset, and the module's
+    settings in config.json."""
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    if vocab_subset is not None:
+        tensors["vocab_subset"] = vocab_subset.to(torch.int32).contiguous()
+    cfg = {"hidden_size": heads.hidden_size, "offsets": heads.offsets, "block_heads": heads.settings(), **meta}
+    write_artifact(folder, BLOCK_HEADS_TYPE, tensors, cfg, record)
+
+
+def load_block_heads(folder: str | Path) -> tuple[BlockHeads, torch.Tensor | None, dict[str, Any]]:
+    """(block heads in float32, vocab subset ids or None, config dict) from a ``leapdecode train blockwise``
+    artifact."""
+    cfg = read_heads_config(folder, BLOCK_HEADS_TYPE)
+    settings = cfg.get("block_heads")
+    if not isinstance(settings, dict):
+        raise ValueError(f"{folder}/{CONFIG_FILE} lacks 'block_heads': the artifact is incomplete; retrain it")
+    heads = BlockHeads(int(cfg["hidden_size"]), **{k: int(v) for k, v in settings.items()})
+    t = _load_tensors(Path(folder) / HEADS_WEIGHTS)
+    subset = t.pop("vocab_subset").long() if "vocab_subset" in t else None
+    params = heads.state_dict()
+    if set(t) != set(params) or any(t[k].shape != v.shape for k, v in params.items()):
+        raise ValueError(f"{folder}/{HEADS_WEIGHTS} does not hold the block heads its config describes; retrain it")
+    heads.load_state_dict({k: v.float() for k, v in t.items()})
+    return heads.requires_grad_(False).eval(), subset, cfg
+
+
+def check_heads_fit(folder: Path, heads: MedusaHeads | BlockHeads, meta: dict[str, Any], target: LlamaForCausalLM,
                     kind: str = "Medusa") -> torch.Tensor:
     """The target's LM-head weight (the heads' own output layer) once the heads are known to fit it: a wrong
     hidden size or vocabulary is an error; heads trained on another model of the same shape (LM-head fingerprint
     differs) only warn, since they still run, just with low acceptance. Shared by every method whose heads come
-    from ``leapdecode train medusa`` (Medusa trees, blockwise chains, hybrid branches)."""
+    from ``leapdecode train medusa`` or ``train blockwise`` (Medusa trees, blockwise chains, hybrid branches)."""
     mcfg = target.config
     if heads.hidden_size != mcfg.hidden_size:
         raise ValueError(
@@ -341,6 +375,7 @@ def check_heads_fit(folder: Path, heads: MedusaHeads, meta: dict[str, Any], targ
 
 __all__ = [
     "ADAPTER_TYPE",
+    "BLOCK_HEADS_TYPE",
     "HEADS_TYPE",
     "check_compatible",
     "check_heads_fit",
@@ -348,9 +383,11 @@ __all__ = [
     "is_feature_draft",
     "lm_head_fingerprint",
     "load_adapter",
+    "load_block_heads",
     "load_heads",
     "read_record",
     "save_adapter",
+    "save_block_heads",
     "save_heads",
     "shipped_adapter_for",
     "shipped_dir",

@@ -23,7 +23,8 @@ One step, as the speculator drives it (speculator.py), for the sequences the sch
    ``observe(seq, hidden)``, with the target's final hidden state at the row that produced the last committed
    token; ``seq.token_ids`` then ends with the tokens this step committed (what an index of the text appends).
    One that declares ``observes_rows = True`` gets the target's raw logits at every verified row of every
-   sequence, whoever drafted, and at the row of every plain step: ``observe_rows(seq, tokens, logits)``.
+   sequence, whoever drafted, and at the row of every plain step: ``observe_rows(tokens, logits)`` (a plain step's
+   rows of every sequence in one call).
 
 Per-request state (indexes, caches, estimates) lives in the proposer, keyed by ``seq.request_id``, and is freed
 by ``release(seq)``, which the speculator calls when the request finishes, is aborted or is preempted (a preempted
@@ -108,8 +109,8 @@ class Proposer(ABC):
     #: at the last row of every plain decoding step
     observes_rows: bool = False
     #: True: draft exactly what ``tree_budget`` asks every step, never switched off by the engine's step-cost
-    #: model (blockwise decoding: the block size is the method, and a lossy mode's output must not depend on
-    #: how fast this machine happened to be when the cost model was calibrated)
+    #: model (blockwise decoding's lossy top-k mode: its output must not depend on how fast this machine happened
+    #: to be when the cost model was calibrated)
     fixed_budget: bool = False
     #: per-token acceptance measured for this drafter on held-out data (a trained artifact's validation), or None;
     #: the speculator starts each sequence's estimate there instead of an optimistic default, and ``auto`` drops
@@ -162,18 +163,18 @@ class Proposer(ABC):
         finished), with the target's final hidden state at the position whose logits produced the last committed
         token. Drafters that read the target's hidden state (Medusa heads) keep it for the next ``propose``."""
 
-    def observe_rows(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:  # noqa: B027
-        """For drafters that declare ``observes_rows``: the target's raw logits ``[len(tokens), vocab]`` at rows of
-        ``seq`` whose input tokens were ``tokens`` (a verification: the root, then every draft, accepted or not; a
-        plain step: its one row). Token Recycling's successor matrix learns from them."""
+    def observe_rows(self, tokens: list[int], logits: torch.Tensor) -> None:  # noqa: B027
+        """For drafters that declare ``observes_rows``: the target's raw logits ``[len(tokens), vocab]`` at rows
+        whose input tokens were ``tokens`` (a verification: the root, then every draft, accepted or not; a
+        plain step: the last row of every sequence it sampled). Token Recycling's successor matrix learns from them."""
 
     def verify_chain(
-        self, seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None
+        self, seq: Sequence, drafts: list[int], logits: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[list[int], int] | None:
-        """A drafter with its own acceptance rule verifies its chain here: ``logits`` [len(drafts) + 1, vocab]
-        are the target's (the request's logits processors applied) at the drafts' positions; returns (emitted
-        tokens, drafts accepted). Default ``None``: the engine's lossless verification (greedy match /
-        rejection sampling)."""
+        """A drafter with its own acceptance rule verifies its chain ``drafts`` here: ``logits``
+        [len(drafts) + 1, vocab] are the target's (the request's logits processors applied) at the drafts'
+        positions; returns (emitted tokens, drafts accepted). Default ``None``: the engine's lossless verification
+        (greedy match / rejection sampling)."""
         return None
 
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float] | None:

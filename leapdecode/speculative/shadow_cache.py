@@ -99,7 +99,6 @@ class ShadowCacheProposer(Proposer):
     generator: torch.Generator  # the engine's, for unseeded sampled requests
     max_model_len: int
     vocab_size: int  # the target's: a sampled draft's distribution spans it
-    running: Callable[[], list[Sequence]]  # the sequences the scheduler runs now
     #: stop a chain where the draft's top probability falls below this (0: draft the whole budget)
     min_draft_prob: float = 0.0
     #: draft each sequence's argmax even when it samples: a tree verifier (hybrid) needs candidates, not draws,
@@ -154,15 +153,12 @@ class ShadowCacheProposer(Proposer):
         return plans
 
     def _reserve(self, sh: Shadow, num_tokens: int) -> bool:
-        """Blocks for ``num_tokens`` positions; frees the shadows of sequences no longer running (preempted ones
-        rebuild theirs when they draft again) when the pool is short."""
+        """Blocks for ``num_tokens`` positions; False when the pool is short. Only running sequences hold shadows:
+        the speculator releases a request's on finish, abort and preemption (a preempted one rebuilds its shadow
+        when it drafts again)."""
         bm = self.shadow_bm
         if not bm.can_allocate(sh, num_tokens):  # type: ignore[arg-type]
-            running = {s.request_id for s in self.running()}
-            for rid in [r for r, s in self.shadows.items() if r not in running and s is not sh]:
-                bm.free(self.shadows.pop(rid))  # type: ignore[arg-type]
-            if not bm.can_allocate(sh, num_tokens):  # type: ignore[arg-type]
-                return False
+            return False
         bm.allocate(sh, num_tokens)  # type: ignore[arg-type]
         return True
 

@@ -1,10 +1,12 @@
 """Glue between the engine and the drafters: how many drafts per sequence, proposing, verifying, bookkeeping.
 
-The engine calls, per step: ``budget_for`` (through the scheduler, which reserves room), ``propose`` for the
-sequences given a budget, ``shape_item`` for tree layouts, then per sequence ``verify`` and ``observe``; ``release``
-when a request finishes or is aborted, ``preempt`` when the scheduler preempts it. The speculator owns which
-proposer drafts for which sequence (``DraftState.method``, one record per request id in ``states``); the
-proposers come from the registry, the sizing rules from policy.py, the acceptance rules from acceptance.py.
+The engine calls, per step and in this order (engine/drafting.py): ``draft_limits`` for the decoding sequences
+before it schedules (plain data the scheduler reserves room from), ``propose`` with a snapshot of the scheduled
+slots (drafts come back as ``Draft`` values), ``shape_item`` for tree layouts, then per sequence ``verify`` (a
+``Verdict``) and ``observe``; ``release`` when a request finishes or is aborted, ``preempt`` when the scheduler
+preempts it. The speculator owns which proposer drafts for which sequence (``DraftState.method``, one record per
+request id in ``states``); the proposers come from the registry, the sizing rules from policy.py, the acceptance
+rules from acceptance.py.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import torch
 
 from leapdecode.config import SpeculativeConfig
+from leapdecode.engine.drafting import Draft, StepSnapshot, Verdict
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
-from leapdecode.engine.scheduler import ScheduledSeq
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
 from leapdecode.parallel import group_size, rank0_value
@@ -37,6 +39,11 @@ from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tr
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
+
+
+def _draft_depth(num_drafts: int, parents: list[int] | None) -> int:
+    """How many draft positions a proposal spans: a chain's length, a tree's depth."""
+    return num_drafts if parents is None else max(depths_of(parents), default=0)
 
 
 class Speculator:
@@ -70,9 +77,10 @@ class Speculator:
         # these ~0.1-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
-        # chains verified, per draft position j: [drafts at j, of them accepted] (acceptance by draft position)
+        # drafts verified, per draft position j (a tree's depth j): [drafted at j, of them accepted] (acceptance by
+        # draft position; a tree counts as accepted at depth j when its accepted path reached it)
         self.position_counts: list[list[int]] = []
-        # fixed-budget drafters (blockwise) never consult the cost model: no start-up calibration for them
+        # fixed-budget drafters (blockwise top-k) never consult the cost model: no start-up calibration for them
         sized_by_cost = any(not p.fixed_budget for p in self.proposers.values())
         if (cfg.use_cost_model or cfg.method == AUTO) and sized_by_cost:
             self.cost = calibrate_target(view.runner, view.block_manager)
@@ -80,6 +88,9 @@ class Speculator:
                 prop.calibrate_cost()  # drafters that run a model time their own steps
         if cfg.method == AUTO and self.cost is not None:
             self._drop_unprofitable()
+        # the drafters called after every committed step (declared: proposer.py), listed once
+        self.watchers = [p for p in self.proposers.values() if p.observes]
+        self.row_observers = [p for p in self.proposers.values() if p.observes_rows]
         self.router: Router | None = None  # auto: the strategy router (router.py) picks per request and step
         if cfg.method == AUTO:
             facts = []
@@ -135,15 +146,25 @@ class Speculator:
         model's context."""
         return min(seq.params.max_tokens - seq.num_output_tokens - 1, self.view.max_model_len - seq.num_tokens - 1)
 
-    def budget_for(self, seq: Sequence) -> int:
-        """Draft tokens this decoding sequence may verify this step (0 = plain decoding); picks the method."""
+    def draft_limits(self, decoding: list[Sequence], num_running: int) -> dict[str, int]:
+        """The most draft tokens each decoding sequence may verify this step, by request id (absent: plain
+        decoding), with ``num_running`` sequences in the batch; picks each one's method."""
+        batch = max(1, num_running)
+        limits: dict[str, int] = {}
+        for seq in decoding:
+            k = self._limit(seq, batch)
+            if k > 0:
+                limits[seq.request_id] = k
+        return limits
+
+    def _limit(self, seq: Sequence, batch: int) -> int:
         self.draft_state(seq).method = None
         if not seq.params.speculative:
             return 0
         room = self._room(seq)
         if room <= 0:
             return 0
-        return self._choose(seq, room, max(1, len(self.view.running())))
+        return self._choose(seq, room, batch)
 
     def _choose(self, seq: Sequence, room: int, batch: int) -> int:
         """The method and draft length ``seq`` would take alone (every other sequence verifying one token)."""
@@ -232,63 +253,80 @@ class Speculator:
             self.cost.observe(rows, seconds)
 
     # ------------------------------------------------------------------------------------------- actions
-    def propose(self, scheduled: list[ScheduledSeq]) -> None:
-        """Each chosen proposer drafts for its sequences, in one call per proposer; the drafts go to the step's
-        sequences (``draft_token_ids``, ``draft_probs``) and their tree layout to ``DraftState.tree_parents``."""
-        by_method: dict[str, list[ScheduledSeq]] = {}
-        for s in scheduled:
-            by_method.setdefault(self.draft_state(s.seq).method or "", []).append(s)
+    def propose(self, snapshot: StepSnapshot) -> dict[str, Draft]:
+        """Each chosen proposer drafts for its slots, in one call per proposer; the drafts come back as values, by
+        request id (a sequence whose proposal is empty is absent)."""
+        by_method: dict[str, list[tuple[Sequence, int]]] = {}
+        for slot in snapshot.slots:
+            by_method.setdefault(self.draft_state(slot.seq).method or "", []).append((slot.seq, slot.budget))
+        drafts: dict[str, Draft] = {}
         for name, group in by_method.items():
             if name not in self.proposers:
                 continue
-            seqs = [s.seq for s in group]
+            seqs, budgets = [seq for seq, _ in group], [k for _, k in group]
             t0 = time.perf_counter()
-            props = self.proposers[name].propose(seqs, [s.spec_budget for s in group])
+            props = self.proposers[name].propose(seqs, budgets)
             spent = rank0_value(time.perf_counter() - t0)  # rank 0's clock on every rank
-            modelled = self.proposers[name].step_cost(len(seqs), max(s.spec_budget for s in group))
+            modelled = self.proposers[name].step_cost(len(seqs), max(budgets))
             self.propose_s[name] = self._ema(self.propose_s.get(name, 0.0), (spent - modelled) / len(seqs))
             for seq, prop in zip(seqs, props):
                 st = self.draft_state(seq)
                 if prop.tokens:
                     seq.metrics.draft_methods[name] = seq.metrics.draft_methods.get(name, 0) + 1
+                    parents = tuple(prop.parents) if prop.parents else None
+                    drafts[seq.request_id] = Draft(name, tuple(prop.tokens), prop.probs, parents)
                 elif self.router is not None and name in st.gamma:
                     # it ran and stopped before its first draft (a draft model below its confidence floor): the
                     # step cost its time and gained nothing, as a verification that accepted nothing would
                     self.gamma.update(st.gamma[name], 1, 0)
-                seq.draft_token_ids = list(prop.tokens)
-                seq.draft_probs = prop.probs
-                st.tree_parents = list(prop.parents) if prop.parents and prop.tokens else None
+        return drafts
 
-    def shape_item(self, seq: Sequence, item: ForwardItem, num_prefix: int) -> None:
+    @staticmethod
+    def shape_item(draft: Draft, item: ForwardItem, num_prefix: int) -> None:
         """A candidate tree runs as ``num_prefix`` ordinary tokens (the last is the root) plus its nodes at
         RoPE positions by depth under the ancestor mask; chains keep the plain causal layout."""
-        parents = self.draft_state(seq).tree_parents
-        if parents is None:
+        if draft.parents is None:
             return
+        parents = list(draft.parents)
         item.depths = list(range(num_prefix)) + [num_prefix - 1 + d for d in depths_of(parents)]
         item.tree_mask = tree_attention_mask(parents, num_prefix)
 
-    def observe(self, seq: Sequence, res: ForwardResult) -> None:
-        """Hand the drafters the hidden state behind the last emitted token (row recorded by ``verify``; the
-        last row after plain sampling)."""
-        st = self.draft_state(seq)
-        row, st.hidden_row = st.hidden_row, -1
-        if seq.draft_token_ids and st.tree_parents is None:  # a chain was verified this step
-            self._count_positions(len(seq.draft_token_ids), len(st.accepted_path))
+    def observe(self, seq: Sequence, res: ForwardResult, draft: Draft, verdict: Verdict) -> None:
+        """After a verification committed tokens to ``seq``: acceptance by draft position (a chain's) or depth (a tree's), then what every
+        committed step hands on (``_after_commit``) at the verdict's row."""
+        # a chain counts by position, a tree by depth (its accepted path runs one node per depth)
+        self._count_positions(_draft_depth(len(draft.tokens), draft.parents), verdict.num_accepted)
+        self._after_commit(seq, res, verdict.hidden_row)
+
+    def observe_sampled(self, seqs: list[Sequence], results: list[ForwardResult]) -> None:
+        """After plain sampling committed one token to each of ``seqs`` (``results``: their forwards): drafters that
+        learn from the target's logits get every sequence's row in one call (each row's input was the token before
+        the new one), then each sequence goes on as after a verification, at its last row."""
+        if self.row_observers:
+            alive = [i for i, seq in enumerate(seqs) if not seq.is_finished and seq.num_tokens >= 2]
+            if alive:
+                tokens = [seqs[i].token_ids[-2] for i in alive]
+                logits = torch.stack([results[i].logits[-1] for i in alive])
+                for prop in self.row_observers:
+                    prop.observe_rows(tokens, logits)
+        for seq, res in zip(seqs, results):
+            self._after_commit(seq, res, -1)
+
+    def _after_commit(self, seq: Sequence, res: ForwardResult, row: int) -> None:
+        """Drafters that declare ``observes`` get the hidden state of ``row`` (the one behind the last emitted
+        token); under auto the copy detector reads the new tokens."""
+        if seq.is_finished:
+            return
         # only drafters that declare they observe (heads) are called: indexing the row costs ~5 us a call, paid
         # per sequence and drafter on every step, and most drafters ignore it
-        rows = [p for p in self.proposers.values() if p.observes_rows]
-        if rows and not seq.draft_token_ids and not seq.is_finished and seq.num_tokens >= 2:
-            for prop in rows:  # a plain step: its one row's input was the token before the new one
-                prop.observe_rows(seq, [seq.token_ids[-2]], res.logits[-1:])
-        watchers = [p for p in self.proposers.values() if p.observes]
-        if watchers and not seq.is_finished and res.hidden.numel():
+        if self.watchers and res.hidden.numel():
             hidden = res.hidden[row]
-            for prop in watchers:
+            for prop in self.watchers:
                 prop.observe(seq, hidden)
-        if self.router is not None and not seq.is_finished and res.logits.numel():
-            self.router.observe_logits(st, res.logits[row])  # the difficulty signal (compute_path "difficulty")
-        if self.router is not None and not seq.is_finished and self.router.domain_switch(seq, st) is not None:
+        if self.router is not None and res.logits.numel():
+            # the difficulty signal (compute_path "difficulty")
+            self.router.observe_logits(self.draft_state(seq), res.logits[row])
+        if self.router is not None and self.router.domain_switch(seq, self.draft_state(seq)) is not None:
             self._restart_estimates(seq)
 
     def _count_positions(self, drafted: int, accepted: int) -> None:
@@ -310,55 +348,49 @@ class Speculator:
             if use is not None and use.tracks_copying:
                 self.state(seq, name).acceptance_ema = ds.domain.hit_rate
 
-    def verify(self, seq: Sequence, res: ForwardResult) -> tuple[list[int], int, torch.Tensor | None]:
-        """Emitted tokens, the number of drafts accepted and the processed logits of the rows the emitted tokens
-        were drawn at (for log-probabilities; None when the request asked for none), from the target logits at
-        the drafts' positions with the request's processors applied at each (the tokens before a position
-        include the drafts before it); then the one bookkeeping path for chains and trees: metrics, the drafter's
-        γ (chains), the drafter's own roll-back (``on_verified``) and the row whose hidden state the drafters
-        observe next."""
+    def verify(self, seq: Sequence, draft: Draft, res: ForwardResult) -> Verdict:
+        """What the target's pass accepts of ``draft``, from the target logits at the drafts' positions with the
+        request's processors applied at each (the tokens before a position include the drafts before it); then the
+        one bookkeeping path for chains and trees: metrics, the drafter's γ (chains), the drafter's own roll-back
+        (``on_verified``). The verdict's ``drawn`` rows are the processed logits the committed tokens were drawn
+        at (for log-probabilities; None when the request asked for none)."""
         t0 = time.perf_counter()
-        st = self.draft_state(seq)
-        assert st.method is not None, "verify() of a sequence that did not draft"
-        prop = self.proposers[st.method]
-        drafted = len(seq.draft_token_ids)
-        for watcher in self.proposers.values():  # rows: the root (the last committed token), then each draft
-            if watcher.observes_rows:
-                watcher.observe_rows(seq, [seq.token_ids[-1], *seq.draft_token_ids], res.logits)
-        if st.tree_parents is not None:
-            tokens, path, logits = self._walk_tree(seq, res, prop, st.tree_parents)
+        prop = self.proposers[draft.method]
+        drafts = list(draft.tokens)
+        drafted = len(drafts)
+        for watcher in self.row_observers:  # rows: the root (the last committed token), then each draft
+            watcher.observe_rows([seq.token_ids[-1], *drafts], res.logits)
+        parents = list(draft.parents) if draft.parents is not None else None
+        if parents is not None:
+            tokens, path, logits = self._walk_tree(seq, drafts, parents, res, prop)
             self._compact(seq, path)
-            accepted, hidden_row = len(path), (path[-1] + 1 if path else 0)
+            hidden_row = path[-1] + 1 if path else 0
             # a gathered copy: made only for a request that reports log-probabilities
             drawn = logits[[0] + [i + 1 for i in path]] if seq.params.logprobs is not None else None
         else:
-            tokens, accepted, logits = self._walk_chain(seq, res, prop)
+            tokens, accepted, logits = self._walk_chain(seq, drafts, draft.probs, res, prop)
             path, hidden_row = list(range(accepted)), accepted
             drawn = logits[: len(tokens)]
-            self.gamma.update(self.state(seq, st.method), drafted, accepted)
+            self.gamma.update(self.state(seq, draft.method), drafted, accepted)
         m = seq.metrics
         m.num_draft_tokens += drafted
-        m.num_accepted_tokens += accepted
+        m.num_accepted_tokens += len(path)
         m.num_drafts += drafted > 0
-        m.accepted_per_pos.extend([0] * (accepted - len(m.accepted_per_pos)))
-        for i in range(accepted):
+        m.accepted_per_pos.extend([0] * (len(path) - len(m.accepted_per_pos)))
+        for i in range(len(path)):
             m.accepted_per_pos[i] += 1
-        st.accepted_path = path
-        prop.on_verified(seq, Verification(seq.num_tokens, list(seq.draft_token_ids), st.tree_parents, list(path),
-                                           list(tokens), logits))
-        st.hidden_row = hidden_row
+        prop.on_verified(seq, Verification(seq.num_tokens, drafts, parents, list(path), list(tokens), logits))
         self.verify_s = self._ema(self.verify_s, rank0_value(time.perf_counter() - t0))
-        return tokens, accepted, drawn
+        return Verdict(tokens, path, drawn, hidden_row)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.view.generator
 
     def _walk_chain(
-        self, seq: Sequence, res: ForwardResult, prop: Proposer
+        self, seq: Sequence, drafts: list[int], probs: torch.Tensor | None, res: ForwardResult, prop: Proposer
     ) -> tuple[list[int], int, torch.Tensor]:
         """A chain: the drafter's own acceptance rule where it has one (blockwise), else greedy match or
         rejection sampling (acceptance.py). Also returns the processed logits of every row."""
-        drafts = seq.draft_token_ids
         k = len(drafts)
         logits = res.logits
         if seq.params.has_processors:
@@ -366,19 +398,18 @@ class Speculator:
             rows = [RowContext(seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens, seq.stop_ids, masks[j])
                     for j in range(k + 1)]
             logits = apply_processors(logits, rows)
-        own = prop.verify_chain(seq, logits, self._generator(seq))
+        own = prop.verify_chain(seq, drafts, logits, self._generator(seq))
         if own is not None:
             return own[0], own[1], logits
         if seq.params.greedy:
             return (*verify_greedy(logits.argmax(dim=-1).tolist(), drafts), logits)
         p = processed_probs(logits, [seq.params] * (k + 1))
-        return (*verify_sampling(p, drafts, seq.draft_probs, self._generator(seq)), logits)
+        return (*verify_sampling(p, drafts, probs, self._generator(seq)), logits)
 
-    def _walk_tree(self, seq: Sequence, res: ForwardResult, prop: Proposer,
-                   parents: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+    def _walk_tree(self, seq: Sequence, drafts: list[int], parents: list[int], res: ForwardResult,
+                   prop: Proposer) -> tuple[list[int], list[int], torch.Tensor]:
         """A tree: (emitted tokens, accepted node indices along the path, processed logits of every row) by the
         tree walk (acceptance.py)."""
-        drafts = seq.draft_token_ids
         n = len(drafts)
         logits = res.logits
         if seq.params.has_processors:

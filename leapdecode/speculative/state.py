@@ -69,11 +69,8 @@ class DraftState:
     """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafts this step (None: plain
     decoding), and only that proposer is told the verification result."""
 
-    # the speculator's bookkeeping
-    method: str | None = None  # the proposer drafting this step
-    tree_parents: list[int] | None = None  # the drafts form a tree (Proposal.parents); None: a chain
-    accepted_path: list[int] = field(default_factory=list)  # tree nodes accepted by the last verification
-    hidden_row: int = -1  # row of the last forward whose hidden state predicted the last emitted token
+    # the speculator's bookkeeping (this step's drafts and their verdict are values: engine/drafting.py)
+    method: str | None = None  # the proposer chosen to draft this step
     gamma: dict[str, GammaState] = field(default_factory=dict)  # per chain drafter: draft length and acceptance
     # the strategy router (router.py): this request's route and its copy detector
     route: Route | None = None

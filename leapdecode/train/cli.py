@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 
 from leapdecode.train.adapter import cmd_self_spec
+from leapdecode.train.blockwise import BlockwiseTrainConfig, cmd_blockwise
 from leapdecode.train.distill import cmd_distill
 from leapdecode.train.medusa import MedusaTrainConfig, cmd_medusa, parse_floats
 from leapdecode.train.medusa_tree import cmd_medusa_tree
 
 MEDUSA_SUMMARY = "``leapdecode train medusa``: train Medusa heads on the target's own answers (self-distillation)."
-BLOCKWISE_SUMMARY = ("``leapdecode train blockwise``: train blockwise decoding's heads, one per offset 1..k, on the "
-                     "target's own answers (the heads trainer of ``train medusa`` with ``--layout one-per-offset``).")
+BLOCKWISE_SUMMARY = ("``leapdecode train blockwise``: train blockwise decoding's k proposal heads on the target's "
+                     "hidden states and its own answers, every block of a stretch in parallel under the "
+                     "block-causal mask, with gradient checkpointing per block (train/blockwise.py).")
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -141,14 +143,57 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 def _add_medusa(tsub: argparse._SubParsersAction) -> None:
     _heads_parser(tsub, "medusa", "train Medusa heads on self-distillation data (cached hidden states, "
                   "progressive, curriculum)", MEDUSA_SUMMARY, MedusaTrainConfig(data="", out="").layout)
-    _heads_parser(tsub, "blockwise", "train blockwise decoding's heads (one per offset 1..k) on self-distillation "
-                  "data", BLOCKWISE_SUMMARY, "one-per-offset")
+    _add_blockwise(tsub)
     _add_medusa_tree(tsub)
 
 
+def _add_blockwise(tsub: argparse._SubParsersAction) -> None:
+    d = BlockwiseTrainConfig(data="", out="")
+    p = tsub.add_parser(
+        "blockwise",
+        help="train blockwise decoding's block heads (block-causal mask, per-block gradient checkpointing)",
+        description=BLOCKWISE_SUMMARY + " Resumable: rerun the same command to continue from WORK/checkpoint/; "
+        "--restart starts over.",
+    )
+    p.add_argument("--data", required=True, help="distill-data folder (samples.jsonl, manifest.json)")
+    p.add_argument("--out", required=True, help="artifact folder to write (e.g. leapdecode/artifacts/blockwise)")
+    p.add_argument("--work-dir", default=None, help="checkpoints (default DATA/blockwise_work)")
+    p.add_argument("--cache-dir", default=None, help="hidden-state cache, shared with `train medusa` "
+                   "(default DATA/hidden_cache)")
+    p.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--num-heads", type=int, default=d.num_heads, help="k: proposals per block")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help="blocks per training stretch (the heads read the last num_blocks * k tokens)")
+    p.add_argument("--attn-heads", type=int, default=d.attn_heads)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--loss-weights", type=parse_floats, default=d.loss_weights, help="by slot, e.g. 1,0.8,0.6,0.4")
+    p.add_argument("--vocab-subset", type=int, default=d.vocab_subset, help="most frequent tokens (0 = full)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="stretches per step")
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    p.add_argument("--init-std", type=float, default=d.init_std)
+    p.add_argument("--no-grad-checkpoint", dest="grad_checkpoint", action="store_false", default=True,
+                   help="keep every block's activations instead of recomputing them per block in backward")
+    p.add_argument("--precision", default=d.precision, choices=["bf16", "fp32"])
+    p.add_argument("--val-frac", type=float, default=d.val_frac)
+    p.add_argument("--val-max-rows", type=int, default=d.val_max_rows)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--stop-after-min", type=float, default=None,
+                   help="end this invocation at a checkpoint after N minutes (rerun to continue)")
+    p.add_argument("--cache-batch-tokens", type=int, default=d.cache_batch_tokens)
+    p.add_argument("--cache-precision", default=d.cache_precision, choices=["bf16", "fp32"])
+    p.add_argument("--limit-samples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
+    p.set_defaults(train_func=cmd_blockwise)
+
+
 def _heads_parser(tsub: argparse._SubParsersAction, name: str, help_text: str, summary: str, layout: str) -> None:
-    """The heads trainer's command line (train/medusa.py) for ``name``: Medusa's heads or blockwise's, which differ
-    in their default ``--layout``."""
+    """The Medusa heads trainer's command line (train/medusa.py) under ``name`` with its default ``--layout``."""
     d = MedusaTrainConfig(data="", out="")
     p = tsub.add_parser(
         name,

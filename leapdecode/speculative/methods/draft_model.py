@@ -15,7 +15,6 @@ the target's embedding and LM head and needs no second checkpoint (``make_draft_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +23,6 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
-from leapdecode.engine.sequence import Sequence
 from leapdecode.models.llama import LlamaForCausalLM
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
 from leapdecode.speculative.artifacts import is_adapter_folder, shipped_adapter_for, shipped_dir
@@ -54,13 +52,11 @@ class DraftModelProposer(ShadowCacheProposer):
     name = "draft_model"
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int, generator: torch.Generator,
-                 running: Callable[[], list[Sequence]]) -> None:
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, generator: torch.Generator) -> None:
         self.model = model
         self.generator = generator  # the engine's, for unseeded sampled requests
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.running = running
         self.kv = KVCache(model.config, num_blocks, block_size, dtype, device)
         self.bm = self.shadow_bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.kv, block_size, device)
@@ -77,7 +73,7 @@ class DraftModelProposer(ShadowCacheProposer):
         view.pack_linears(model, linear_kernel)
         check_same_tokenizer(view.tokenizer, load_tokenizer(p) if view.tokenizer is not None else None)
         return cls(model, view.model.config.vocab_size, view.block_manager.num_blocks, view.block_size, view.device,
-                   view.dtype, view.max_model_len, view.generator, view.running)
+                   view.dtype, view.max_model_len, view.generator)
 
     def memory_bytes(self) -> int:
         """The draft model's weights and its own KV cache."""

@@ -293,7 +293,7 @@ class RecyclingProposer(Proposer):
                    opts.matrix_path)
 
     # ------------------------------------------------------------------------------------------ learning
-    def observe_rows(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> None:
+    def observe_rows(self, tokens: list[int], logits: torch.Tensor) -> None:
         """The target's logits at verified rows (input tokens ``tokens``): the matrix learns each row's top-k."""
         self.matrix.update(tokens, logits)
 

@@ -139,7 +139,6 @@ class SelfSpecProposer(ShadowCacheProposer):
         self.generator = view.generator
         self.max_model_len = view.max_model_len
         self.vocab_size = view.model.config.vocab_size
-        self.running = view.running
         self.adapter = adapter
         self.num_shared_layers = adapter.layer_index
         self.min_draft_prob = float(min_draft_prob)

@@ -7,10 +7,14 @@ text is a path from the root, and each node counts the occurrences of its substr
 - per request, over its prompt and output, extended by each committed token (``max_depth`` nodes touched per
   token, through the list of nodes that end at the newest token);
 - one per engine (one served model) over the outputs of recent finished requests, bounded in memory: whole
-  requests leave oldest-first (their substrings' counts taken back, empty nodes freed) while the trie's measured
-  size is above ``global_cache_mb``; it can be saved to and loaded from ``suffix_cache_path``. A request
-  contributes only if ``global_tree`` is on (the engine's setting; a server serving several users can turn it
-  off so no request's text can be drafted into another's).
+  requests leave least recently used first (their substrings' counts taken back, empty nodes freed) while the
+  trie's measured size is above ``global_cache_mb``. A request is used when it joins and whenever a draft from
+  the global trie is accepted: each node remembers the latest request that went through it, and the deepest
+  accepted node's request moves to the back of the queue. The trie can be saved to and loaded from
+  ``suffix_cache_path``. A request's output joins only if ``global_tree`` is on (the engine's setting) and the
+  request's ``SamplingParams.share_output`` is true (the default of the Python API; ``leapdecode serve
+  --no-share-output`` makes it false for requests that do not say): a server for several users keeps each
+  user's text out of the others' drafts that way.
 
 Drafting matches the longest suffix of the sequence (at most ``max_match`` tokens) that occurred before with a
 continuation, then grows a tree best-first from that node by the empirical probability of each continuation
@@ -49,8 +53,9 @@ class SuffixOptions:
     """Tries cut at ``max_depth`` tokens; a match of at most ``max_match`` tokens; at most ``max_spec_factor`` tree
     nodes per matched token, none below ``min_token_prob``; ``tree_nodes`` fixes the size cap (None: the step-cost
     model); ``global_tree``: finished requests' outputs join the engine's trie that every request drafts from
-    (off: each request drafts from its own text only); ``global_cache_mb`` bounds that trie (oldest requests
-    leave first); ``suffix_cache_path`` saves and loads it."""
+    (off: each request drafts from its own text only; a request's ``SamplingParams.share_output=False`` keeps its
+    own output out); ``global_cache_mb`` bounds that trie (least recently used requests leave first);
+    ``suffix_cache_path`` saves and loads it."""
 
     max_depth: int = 24
     max_match: int = 16
@@ -77,11 +82,15 @@ class SuffixOptions:
 
 
 class TrieNode:
-    __slots__ = ("count", "children")
+    """A substring's occurrence count, its continuations and the latest text (``owner``, a serial number; 0: a
+    per-request trie's) that went through it."""
+
+    __slots__ = ("count", "children", "owner")
 
     def __init__(self) -> None:
         self.count = 0
         self.children: dict[int, TrieNode] | None = None
+        self.owner = 0
 
 
 class SuffixTrie:
@@ -103,21 +112,21 @@ class SuffixTrie:
             self.num_nodes += 1
         return child
 
-    def extend(self, active: list[TrieNode], token: int) -> list[TrieNode]:
-        """Append ``token`` to a text whose suffixes (lengths 1.., shorter first, below ``max_depth``) end at the
-        nodes ``active``; returns the new text's suffix nodes."""
+    def extend(self, active: list[TrieNode], token: int, owner: int = 0) -> list[TrieNode]:
+        """Append ``token`` to a text (serial number ``owner``) whose suffixes (lengths 1.., shorter first, below
+        ``max_depth``) end at the nodes ``active``; returns the new text's suffix nodes."""
         new = [self._child(self.root, token)]
-        new[0].count += 1
         for node in active[: self.max_depth - 1]:
-            child = self._child(node, token)
-            child.count += 1
-            new.append(child)
+            new.append(self._child(node, token))
+        for node in new:
+            node.count += 1
+            node.owner = owner
         return new[: self.max_depth - 1]
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], owner: int = 0) -> None:
         active: list[TrieNode] = []
         for t in tokens:
-            active = self.extend(active, t)
+            active = self.extend(active, t, owner)
 
     def remove(self, tokens: list[int]) -> None:
         """Take back a text ``add`` inserted: every substring's count drops by one; nodes at zero are freed."""
@@ -163,7 +172,13 @@ class SuffixTrie:
     def draft(self, node: TrieNode, max_nodes: int, min_prob: float, max_depth: int) -> list[Node]:
         """Best-first continuations of ``node`` by path probability (children counts over their total), parents
         first; no node below ``min_prob`` or deeper than ``max_depth``."""
+        return self.draft_nodes(node, max_nodes, min_prob, max_depth)[0]
+
+    def draft_nodes(self, node: TrieNode, max_nodes: int, min_prob: float,
+                    max_depth: int) -> tuple[list[Node], list[TrieNode]]:
+        """:meth:`draft`, with the trie node of each tree node."""
         out: list[Node] = []
+        where: list[TrieNode] = []
         heap: list[tuple[float, int, int, int, TrieNode, int]] = []
         seq = 0
 
@@ -183,23 +198,29 @@ class SuffixTrie:
         while heap and len(out) < max_nodes:
             neg, _, t, parent, c, depth = heapq.heappop(heap)
             out.append(Node(t, parent, -neg))
+            where.append(c)
             push(c, len(out) - 1, -neg, depth + 1)
-        return out
+        return out, where
 
     def memory_bytes(self) -> int:
         return self.num_nodes * NODE_BYTES
 
 
 class GlobalSuffixCache:
-    """The engine's trie over recent requests' outputs, bounded by ``cap_mb``: requests leave oldest-first."""
+    """The engine's trie over recent requests' outputs, bounded by ``cap_mb``: the least recently used requests
+    leave first (a request is used when it joins and when :meth:`touch` finds a draft from its text accepted)."""
 
     def __init__(self, max_depth: int, cap_mb: float, path: str | None = None) -> None:
         self.trie = SuffixTrie(max_depth)
         self.cap_bytes = int(cap_mb * 2**20)
-        self.texts: OrderedDict[str, array] = OrderedDict()  # request -> its output (int32s)
+        self.texts: OrderedDict[str, array] = OrderedDict()  # request -> its output (int32s), least recent first
+        self.serials: dict[str, int] = {}  # request -> the serial number its trie nodes name as their owner
+        self.keys: dict[int, str] = {}  # and back
+        self._next_serial = 1  # 0 is no owner
         self.num_tokens = 0
         self.path = path
         self.num_evicted = 0
+        self.num_touched = 0
         if path is not None and Path(path).exists():
             for key, tokens in torch.load(path, weights_only=True).items():
                 self.add(key, list(tokens))
@@ -209,15 +230,26 @@ class GlobalSuffixCache:
             return
         if key in self.texts:
             self._drop(key)
+        serial, self._next_serial = self._next_serial, self._next_serial + 1
         self.texts[key] = array("i", tokens)
+        self.serials[key], self.keys[serial] = serial, key
         self.num_tokens += len(tokens)
-        self.trie.add(tokens)
+        self.trie.add(tokens, serial)
         while self.memory_bytes() > self.cap_bytes and self.texts:
             self._drop(next(iter(self.texts)))
             self.num_evicted += 1
 
+    def touch(self, node: TrieNode) -> None:
+        """A draft through ``node`` was accepted: the latest request whose text went through it becomes the most
+        recently used (nothing when that request has left)."""
+        key = self.keys.get(node.owner)
+        if key is not None:
+            self.texts.move_to_end(key)
+            self.num_touched += 1
+
     def _drop(self, key: str) -> None:
         old = self.texts.pop(key)
+        del self.keys[self.serials.pop(key)]
         self.num_tokens -= len(old)
         self.trie.remove(old.tolist())
 
@@ -231,7 +263,8 @@ class GlobalSuffixCache:
         tmp.replace(path)
 
     def memory_bytes(self) -> int:
-        """The trie's estimate plus the kept texts (int32 arrays, ~TEXT_BYTES of bookkeeping each)."""
+        """The trie's estimate plus the kept texts (int32 arrays, ~TEXT_BYTES of bookkeeping each: the order, the
+        serial numbers)."""
         return self.trie.memory_bytes() + 4 * self.num_tokens + TEXT_BYTES * len(self.texts)
 
 
@@ -243,7 +276,9 @@ class RequestIndex:
     active: list[TrieNode] = field(default_factory=list)
     done: int = 0  # tokens indexed
     grown: tuple[int, list[Node]] = (-1, [])  # (sequence length, the tree) of the last sizing
+    grown_from: list[TrieNode] | None = None  # the global trie's node of each tree node (None: the own trie's)
     drafted: list[Node] = field(default_factory=list)
+    drafted_from: list[TrieNode] | None = None
 
 
 class SuffixProposer(Proposer):
@@ -285,6 +320,7 @@ class SuffixProposer(Proposer):
         o = self.opts
         ctx = seq.token_ids[-o.max_match :]
         best: list[Node] = []
+        idx.grown_from = None
         tries = [idx.trie] + ([self.cache.trie] if self.cache is not None else [])
         for trie in tries:
             node, length = trie.match(ctx, o.max_match)
@@ -293,9 +329,10 @@ class SuffixProposer(Proposer):
             limit = min(MAX_NODES, max(1, int(o.max_spec_factor * length)))
             if o.tree_nodes is not None:
                 limit = min(limit, o.tree_nodes)
-            nodes = trie.draft(node, limit, o.min_token_prob, o.max_depth - length)
+            nodes, where = trie.draft_nodes(node, limit, o.min_token_prob, o.max_depth - length)
             if sum(n.score for n in nodes) > sum(n.score for n in best):
                 best = nodes
+                idx.grown_from = where if trie is not idx.trie else None
         idx.grown = (seq.num_tokens, best)
         return best
 
@@ -325,7 +362,9 @@ class SuffixProposer(Proposer):
         out = []
         for seq, k in zip(seqs, budgets):
             nodes = self.grow(seq)[:k] if k > 0 else []
-            self._index(seq).drafted = nodes
+            idx = self._index(seq)
+            idx.drafted = nodes
+            idx.drafted_from = idx.grown_from[:k] if nodes and idx.grown_from is not None else None
             out.append(Proposal([n.token for n in nodes], None, [n.parent for n in nodes]) if nodes
                        else Proposal([]))
         return out
@@ -338,12 +377,16 @@ class SuffixProposer(Proposer):
         decay = 0.98
         self._accepted_sum = decay * self._accepted_sum + result.num_accepted
         self._predicted_sum = decay * self._predicted_sum + sum(n.score for n in idx.drafted)
-        idx.drafted = []
+        if idx.drafted_from is not None and result.accepted and self.cache is not None \
+                and result.accepted[-1] < len(idx.drafted_from):
+            self.cache.touch(idx.drafted_from[result.accepted[-1]])  # the text that drafted it stays longer
+        idx.drafted, idx.drafted_from = [], None
 
     def release(self, seq: Sequence) -> None:
-        """The request is done: its trie is freed; its output joins the global trie (``global_tree``)."""
+        """The request is done: its trie is freed; its output joins the global trie (``global_tree``, unless the
+        request's ``share_output`` is false)."""
         self._requests.pop(seq.request_id, None)
-        if self.cache is None or not self.opts.global_tree:
+        if self.cache is None or not self.opts.global_tree or not seq.params.share_output:
             return
         self.cache.add(seq.request_id, list(seq.token_ids[seq.num_prompt_tokens :]))
         self.num_released += 1
