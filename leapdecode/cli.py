@@ -71,8 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def explain_metrics(m: RequestMetrics) -> str:
     """What ``--explain`` prints for one request: the route ``auto`` took and the steps each method drafted."""
     steps = ", ".join(f"{k}: {v}" for k, v in sorted(m.draft_methods.items())) or "none"
+    paths = ", ".join(f"{k}: {v}" for k, v in sorted(m.compute_paths.items()))
     return (f"[route: {m.route or 'not auto (one method)'}]\n[steps drafted by method: {steps}; domain switches: "
-            f"{m.num_domain_switches}]")
+            f"{m.num_domain_switches}]" + (f"\n[steps per compute path: {paths}]" if paths else ""))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

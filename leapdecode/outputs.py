@@ -30,6 +30,9 @@ class RequestMetrics:
     route: str | None = None
     draft_methods: dict[str, int] = field(default_factory=dict)
     num_domain_switches: int = 0
+    # auto's difficulty-driven compute path ("compute_path": "difficulty"): decoding steps per path chosen (plain,
+    # speculative, self_draft)
+    compute_paths: dict[str, int] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:

@@ -102,7 +102,8 @@ def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -
                num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
                num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs),
                routes=dict(Counter(o.metrics.route for o in outs if o.metrics.route)),
-               draft_methods=dict(sum((Counter(o.metrics.draft_methods) for o in outs), Counter())))
+               draft_methods=dict(sum((Counter(o.metrics.draft_methods) for o in outs), Counter())),
+               compute_paths=dict(sum((Counter(o.metrics.compute_paths) for o in outs), Counter())))
 
 
 CEILING_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65)  # verified rows per step at which the target's step is timed

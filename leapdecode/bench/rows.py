@@ -39,6 +39,7 @@ class Row:
     # speculative "auto" (--explain): requests per route the router took, target steps drafted per method
     routes: dict[str, int] = field(default_factory=dict)
     draft_methods: dict[str, int] = field(default_factory=dict)
+    compute_paths: dict[str, int] = field(default_factory=dict)  # auto's difficulty path: steps per path
 
 
 def explain_rows(rows: list[Row]) -> list[str]:
@@ -49,7 +50,9 @@ def explain_rows(rows: list[Row]) -> list[str]:
         if not r.routes:
             continue
         steps = ", ".join(f"{k} {v}" for k, v in sorted(r.draft_methods.items())) or "none"
-        lines.append(f"- {r.method} at batch {r.batch}: steps drafted by method: {steps}")
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(r.compute_paths.items()))
+        lines.append(f"- {r.method} at batch {r.batch}: steps drafted by method: {steps}"
+                     + (f"; steps per compute path: {paths}" if paths else ""))
         lines += [f"  - {n} request(s): {route}" for route, n in sorted(r.routes.items(), key=lambda x: -x[1])]
     return lines
 

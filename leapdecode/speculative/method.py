@@ -35,13 +35,16 @@ class AutoUse:
     first); ``usable(config, target)``: whether auto can build it here without further arguments (a shipped
     artifact trained for this target, say); ``options``: the option groups it reads when auto builds it (auto's
     config accepts their keys); ``tracks_copying``: its acceptance is the share of text that repeats earlier text
-    (prompt lookup), so the router's copy detector sets its estimate when a request switches domain."""
+    (prompt lookup), so the router's copy detector sets its estimate when a request switches domain;
+    ``self_draft``: it drafts with the target itself (the layer-skip draft), which the difficulty-driven compute
+    path (difficulty.py) prefers on easy text and keeps off its speculative branch."""
 
     branch: AutoBranch
     rank: int
     usable: Callable[[SpeculativeConfig, LlamaForCausalLM | None], bool]
     options: tuple[type, ...] = ()
     tracks_copying: bool = False
+    self_draft: bool = False
 
 
 @dataclass(frozen=True)

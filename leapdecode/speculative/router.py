@@ -36,12 +36,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.sequence import Sequence
-from leapdecode.speculative.options import check
+from leapdecode.speculative.difficulty import COMPUTE_PATHS, choose_path, narrow, update_signal
+from leapdecode.speculative.options import check, is_prob
 from leapdecode.speculative.state import DomainState, DraftState, Route
 
 TaskType = Literal["code", "math", "grounded", "chat", "translation"]
+# "rate": each step's pick by measured rate alone; "difficulty": the target's confidence first narrows the pick to
+# plain decoding, speculative decoding or the layer-skip self-draft (difficulty.py)
+ComputePathRule = Literal["rate", "difficulty"]
 
 EXTREME_LATENCY_MS = 10.0  # the tree's "extreme latency" bar, per output token
 TREE_MARGIN = 0.05  # the tree's choice stands while its measured rate is within 5% of the best candidate's
@@ -65,7 +71,10 @@ class AutoOptions:
     untouched, no drafter that reads the target's hidden states), ``latency_slo_ms`` (target time per output
     token: below 10 ms on the lossy branch the router drafts whole blocks without verification rejecting them),
     ``memory_budget_mb`` (the most memory a drafter may hold of its own: weights, caches), ``switch_domains``
-    (watch each request for copying vs free writing and re-weigh its drafters when that changes)."""
+    (watch each request for copying vs free writing and re-weigh its drafters when that changes),
+    ``compute_path`` (``"difficulty"``: per step, plain decoding, speculative decoding or the target's layer-skip
+    draft from the target's top-1 margin over recent steps, with ``easy_above`` and ``hard_below`` its two
+    thresholds; difficulty.py)."""
 
     methods: tuple[str, ...] | None = None
     lossless: bool = True
@@ -73,6 +82,9 @@ class AutoOptions:
     latency_slo_ms: float | None = None
     memory_budget_mb: float | None = None
     switch_domains: bool = True
+    compute_path: ComputePathRule = "rate"
+    easy_above: float = 0.6
+    hard_below: float = 0.2
 
     def __post_init__(self) -> None:
         m = self.methods
@@ -86,6 +98,11 @@ class AutoOptions:
             v = getattr(self, key)
             check(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
                   f"{key} must be a positive number (or null: no constraint), got {v!r}")
+        check(self.compute_path in ("rate", "difficulty"),
+              f'compute_path must be "rate" or "difficulty", got {self.compute_path!r}')
+        check(is_prob(self.easy_above) and is_prob(self.hard_below) and self.hard_below <= self.easy_above,
+              f"need 0 <= hard_below <= easy_above <= 1, got hard_below={self.hard_below!r}, "
+              f"easy_above={self.easy_above!r}")
 
 
 def extreme_latency(opts: AutoOptions) -> bool:
@@ -138,12 +155,13 @@ def classify_task(text: str) -> TaskType:
 class DrafterFacts:
     """What the tree needs to know of one built drafter: its name, the memory it holds of its own (MB), and where
     its method's descriptor puts it: the branch (``method.AutoBranch``: "separate", "hidden" or "lossy") and its
-    preference there (lowest first)."""
+    preference there (lowest first); whether it drafts with the target itself (the difficulty path's self-draft)."""
 
     name: str
     memory_mb: float
     branch: str
     rank: int
+    self_draft: bool = False
 
 
 def _within_budget(facts: list[DrafterFacts], budget_mb: float | None, departures: list[str]) -> list[DrafterFacts]:
@@ -307,6 +325,31 @@ class Router:
             self.depart(seq, st, f"domain switch to {new} at output token {seq.num_output_tokens}")
         return new
 
+    # -------------------------------------------------------------------------------- compute path (difficulty)
+    def observe_logits(self, st: DraftState, logits: torch.Tensor) -> None:
+        """The target's logits [V] at the row behind the step's last committed token: the difficulty signal."""
+        if self.opts.compute_path == "difficulty":
+            update_signal(st.difficulty, logits)
+
+    def compute_path(self, seq: Sequence, st: DraftState, names: list[str],
+                     ready: Callable[[str], bool]) -> list[str]:
+        """The route's candidates ``names`` narrowed to this step's compute path (difficulty.py; ``ready(name)``:
+        whether that drafter has something to propose). The path is counted in ``metrics.compute_paths``, and the
+        first step of each path in a request says why in the route."""
+        if self.opts.compute_path != "difficulty":
+            return names
+        route = self.route(seq, st)
+        selfs = {f.name for f in self.facts if f.self_draft}
+        ready_self = any(n in selfs and ready(n) for n in names)
+        path, why = choose_path(st.difficulty, route.task, st.domain.domain == "copying", ready_self,
+                                self.opts.easy_above, self.opts.hard_below)
+        paths = seq.metrics.compute_paths
+        paths[path] = paths.get(path, 0) + 1
+        if path != st.difficulty.path:
+            st.difficulty.path = path
+            self.depart(seq, st, f"compute path {path}: {why}")
+        return narrow(path, names, selfs)
+
     def finish(self, st: DraftState) -> None:
         """Fold the request's measured acceptance per drafter into its task's record."""
         route = st.route
@@ -321,6 +364,8 @@ __all__ = [
     "AUTO",
     "AUTO_IGNORES",
     "AutoOptions",
+    "COMPUTE_PATHS",
+    "ComputePathRule",
     "DomainDetector",
     "DrafterFacts",
     "Router",

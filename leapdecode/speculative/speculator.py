@@ -97,7 +97,7 @@ class Speculator:
             for n, p in self.proposers.items():
                 use = METHODS[n].auto
                 assert use is not None
-                facts.append(DrafterFacts(n, p.memory_bytes() / 2**20, use.branch, use.rank))
+                facts.append(DrafterFacts(n, p.memory_bytes() / 2**20, use.branch, use.rank, use.self_draft))
             tok = view.tokenizer
             text: Callable[[list[int]], str] = (lambda ids: "") if tok is None else \
                 (lambda ids: tok.decode(ids, skip_special_tokens=True))
@@ -175,6 +175,7 @@ class Speculator:
             if self.router.kv_short(self.view.block_manager):
                 self.router.depart(seq, st, f"KV short: under {KV_SHORT:.0%} of the KV pool free, no drafting")
                 return 0
+            names = self.router.compute_path(seq, st, names, lambda n: self.proposers[n].has_draft(seq))
         # every method must beat plain decoding's rate to be chosen
         plain = batch / self.cost(batch) if self.cost is not None else 0.0
         rates: dict[str, tuple[int, float]] = {}
@@ -322,6 +323,9 @@ class Speculator:
             hidden = res.hidden[row]
             for prop in self.watchers:
                 prop.observe(seq, hidden)
+        if self.router is not None and res.logits.numel():
+            # the difficulty signal (compute_path "difficulty")
+            self.router.observe_logits(self.draft_state(seq), res.logits[row])
         if self.router is not None and self.router.domain_switch(seq, self.draft_state(seq)) is not None:
             self._restart_estimates(seq)
 

@@ -53,6 +53,18 @@ class DomainState:
 
 
 @dataclass
+class DifficultyState:
+    """One sequence's difficulty signal (difficulty.py): the target's top-1 probability and its margin over the
+    runner-up at the row behind each committed step's last token, as running averages over recent steps, how
+    many steps they cover, and the compute path last chosen from them (None before the first choice)."""
+
+    top1: float = 0.0
+    margin: float = 0.0
+    steps: int = 0
+    path: str | None = None
+
+
+@dataclass
 class DraftState:
     """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafts this step (None: plain
     decoding), and only that proposer is told the verification result."""
@@ -63,6 +75,7 @@ class DraftState:
     # the strategy router (router.py): this request's route and its copy detector
     route: Route | None = None
     domain: DomainState = field(default_factory=DomainState)
+    difficulty: DifficultyState = field(default_factory=DifficultyState)  # the difficulty-driven compute path
 
 
-__all__ = ["PRIOR_ACCEPTANCE", "DomainState", "DraftState", "GammaState", "Route"]
+__all__ = ["PRIOR_ACCEPTANCE", "DifficultyState", "DomainState", "DraftState", "GammaState", "Route"]
