@@ -315,16 +315,27 @@ def test_a_poisoned_request_fails_alone_beside_streams_in_flight(
 
     async def main() -> tuple[list[str], httpx.Response, int]:
         client = async_client(server)
+        started, all_started = [0], asyncio.Event()
 
         async def stream(topic: str) -> str:
             chunks = await client.chat.completions.create(
                 model="default", messages=[{"role": "user", "content": topic}], temperature=0,
                 max_tokens=MAX_TOKENS, stream=True,
             )
-            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            parts = []
+            async for c in chunks:
+                if c.choices and c.choices[0].delta.content:
+                    if not parts:
+                        started[0] += 1
+                        if started[0] == len(LOAD_TOPICS):
+                            all_started.set()
+                    parts.append(c.choices[0].delta.content)
+            return "".join(parts)
 
         async def poisoned() -> httpx.Response:
-            await asyncio.sleep(0.05)  # the streams are running
+            # sent once every stream has its first token, so all of them are decoding in the engine (a fixed sleep
+            # raced the streams' prefill on a slow machine)
+            await asyncio.wait_for(all_started.wait(), timeout=60)
             async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
                 r = await http.post(server + "/v1/chat/completions", json={
                     "messages": CHAT, "structured_outputs": poison, "min_tokens": 10, "max_tokens": 20,
