@@ -32,7 +32,7 @@ CURVE_BATCHED = (1, 2, 4, 8)  # rows per sequence at batch 32
 
 def prepare(folder: Path) -> None:
     """The bundled tokenizer, the MT-bench prompts and the gguf wheel (pure Python) into ``folder``."""
-    from leapdecode.bench.prompts import shared_data_dir
+    from leapdecode.eval.prompts import shared_data_dir
     from leapdecode.models.loader import bundled_model_path, load_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from leapdecode.bench.prompts import AGENT_EDITS, AGENT_SYSTEM, load_prompt_set, shared_data_dir
+from leapdecode.eval.prompts import AGENT_EDITS, AGENT_SYSTEM, load_prompt_set, shared_data_dir
 
 
 @pytest.mark.skipif(not (shared_data_dir() / "code" / "humaneval.jsonl").is_file(), reason="no shared data")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.bench.prompts import load_questions, shared_data_dir
+from leapdecode.eval.prompts import load_questions, shared_data_dir
 from leapdecode.kernels import extension
 from leapdecode.layers.block_formats import QuantizedWeight
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from leapdecode.bench.prompts import shared_data_dir
+from leapdecode.eval.prompts import shared_data_dir
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 

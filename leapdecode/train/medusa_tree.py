@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.atomic_files import replace_in_folder
-from leapdecode.bench.prompts import load_prompt_set
+from leapdecode.eval.prompts import load_prompt_set
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative import tree as T

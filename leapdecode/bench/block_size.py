@@ -5,7 +5,7 @@ Held-out prompts: MT-Bench first turns (the development set, never trained on) a
 training-prompt file, which ``leapdecode train distill-data --limit N`` (the first N usable ones) leaves out. Every
 block is drafted in full (``use_cost_model: false``), so the figure is the heads' acceptance alone.
 
-    python -m leapdecode.eval.block_size --heads leapdecode/artifacts/blockwise --ks 2,4,8 --out runs/bs.json
+    python -m leapdecode.bench.block_size --heads leapdecode/artifacts/blockwise --ks 2,4,8 --out runs/bs.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.bench.prompts import load_questions, shared_data_dir
+from leapdecode.eval.prompts import load_questions, shared_data_dir
 from leapdecode.train.distill import load_training_prompts
 
 

@@ -1,6 +1,6 @@
 """Step cost by rows: what one target forward of n new tokens costs, for each linear kernel, next to llama.cpp.
 
-Run: ``python -m leapdecode.eval.step_rows --model FILE.gguf --linear-kernels auto,packed-int8act``. Two shapes of
+Run: ``python -m leapdecode.bench.step_rows --model FILE.gguf --linear-kernels auto,packed-int8act``. Two shapes of
 a step with n rows are timed on the engine's own model runner (scratch sequences borrowed from the KV pool, as the
 speculative cost model times its steps):
 
