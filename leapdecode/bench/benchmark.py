@@ -23,13 +23,13 @@ from tqdm.auto import tqdm
 from leapdecode.bench.external import peak_rss_mb, run_hf, run_isolated, run_llamacpp
 from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weight_bytes_per_step
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
-from leapdecode.eval.prompts import load_prompt_set
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
 from leapdecode.bench.rows import Row, explain_rows, median
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
+from leapdecode.eval.prompts import load_prompt_set
 from leapdecode.layers import int8_gemm
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.llm import LLM

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from leapdecode.bench.hardware import machine_info
-from leapdecode.eval.prompts import load_questions, shared_data_dir
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.lm_eval_task import wikitext_items
 from leapdecode.eval.perplexity import completion_nll, load_tokens, perplexity
+from leapdecode.eval.prompts import load_questions, shared_data_dir
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 

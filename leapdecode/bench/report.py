@@ -25,12 +25,12 @@ from tqdm.auto import tqdm
 
 from leapdecode.bench.hardware import machine_info, weight_bytes_per_step
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
-from leapdecode.eval.prompts import load_prompt_set, shared_data_dir
 from leapdecode.bench.report_plots import pyplot, write_plots
 from leapdecode.bench.rows import median
 from leapdecode.bench.scored import code_pass_rate, load_code_tasks
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
+from leapdecode.eval.prompts import load_prompt_set, shared_data_dir
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 

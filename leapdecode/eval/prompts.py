@@ -1,4 +1,5 @@
-"""Benchmark prompt sets, read from the shared data folder (never used for training)."""
+"""The shared data folder and its benchmark prompt sets (MT-Bench, grounded, mixed, agentic: held out from the
+drafters' training data)."""
 
 from __future__ import annotations
 

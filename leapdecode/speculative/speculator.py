@@ -292,8 +292,8 @@ class Speculator:
         item.tree_mask = tree_attention_mask(parents, num_prefix)
 
     def observe(self, seq: Sequence, res: ForwardResult, draft: Draft, verdict: Verdict) -> None:
-        """After a verification committed tokens to ``seq``: acceptance by draft position (a chain's) or depth (a tree's), then what every
-        committed step hands on (``_after_commit``) at the verdict's row."""
+        """After a verification committed tokens to ``seq``: acceptance by draft position (a chain's) or depth (a
+        tree's), then what every committed step hands on (``_after_commit``) at the verdict's row."""
         # a chain counts by position, a tree by depth (its accepted path runs one node per depth)
         self._count_positions(_draft_depth(len(draft.tokens), draft.parents), verdict.num_accepted)
         self._after_commit(seq, res, verdict.hidden_row)

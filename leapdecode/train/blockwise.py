@@ -48,7 +48,7 @@ from leapdecode.models.loader import model_display_name
 from leapdecode.speculative.artifacts import lm_head_fingerprint, load_block_heads, save_block_heads
 from leapdecode.speculative.block_heads import BlockHeads
 from leapdecode.train.data import file_sha256, read_manifest, read_samples
-from leapdecode.train.loop import has_checkpoint, load_checkpoint, save_checkpoint, warmup_cosine_lr
+from leapdecode.train.loop import has_checkpoint, load_checkpoint, portable_path, save_checkpoint, warmup_cosine_lr
 from leapdecode.train.medusa import MedusaTrainConfig, TokenData, build_hidden_cache, choose_subset, per_offset
 
 DEFAULT_WEIGHTS = (1.0, 0.8, 0.6, 0.4)
@@ -340,7 +340,7 @@ class BlockwiseTrainer:
         meta = {
             "vocab_size": self.vocab,
             "vocab_subset_size": 0 if self.subset is None else len(self.subset),
-            "base_model": {"name": model_display_name(Path(eng.model_path)), "path": str(eng.model_path),
+            "base_model": {"name": model_display_name(Path(eng.model_path)), "path": portable_path(eng.model_path),
                            "lm_head_fingerprint": lm_head_fingerprint(self.full_w)},
             "validation": v,
             "validation_untrained": self.val_history[0],

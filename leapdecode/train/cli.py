@@ -250,7 +250,7 @@ def _heads_parser(tsub: argparse._SubParsersAction, name: str, help_text: str, s
 def _add_medusa_tree(tsub: argparse._SubParsersAction) -> None:
     t = tsub.add_parser(
         "medusa-tree",
-        help="re-derive the Medusa candidate tree from development prompts and this machine's step cost",
+        help="re-derive the Medusa candidate tree from training prompts and this machine's step cost",
         description="Plain greedy answers to the prompts, the heads' candidate ranks of what followed, and the "
         "most frequent rank paths become the tree in HEADS/config.json (the validation tree is kept as "
         "tree_validation).",
@@ -258,7 +258,9 @@ def _add_medusa_tree(tsub: argparse._SubParsersAction) -> None:
     t.add_argument("--heads", default=None, help="artifact folder (default: the shipped heads)")
     t.add_argument("--model", default=None)
     t.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    t.add_argument("--prompts", default="mt_bench")
+    t.add_argument("--prompts", default=None,
+                   help="a prompt set name or question.jsonl path (default: the shared data's training prompts; "
+                   "the benchmark sets are held out)")
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--max-tokens", type=int, default=128)
     t.add_argument("--max-nodes", type=int, default=64)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from leapdecode.eval.prompts import shared_data_dir
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
+from leapdecode.train.loop import portable_path
 
 
 def load_training_prompts(path: Path, limit: int | None, max_chars: int) -> list[dict]:
@@ -81,7 +82,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         "command": "leapdecode train distill-data " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
             if k not in ("func", "train_func", "command", "train_command") and v not in (None, False)),
-        "model": str(llm.engine.model_path), "prompts": str(prompts_path), "num_prompts": len(recs),
+        "model": portable_path(llm.engine.model_path), "prompts": portable_path(prompts_path), "num_prompts": len(recs),
         "modes": [m for m, _ in modes], "max_tokens": args.max_tokens, "seed": args.seed,
         "new_output_tokens": n_tokens, "seconds_this_run": round(time.time() - t0, 1), "file": data_file.name,
         **{f"total_{k}": v for k, v in total.items()},

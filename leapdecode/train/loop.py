@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sysconfig
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from leapdecode.atomic_files import file_digest, save_tensors_atomic, write_json_atomic
+from leapdecode.eval.prompts import shared_data_dir
 from leapdecode.speculative.artifacts import write_record
 
 TENSOR_REF = "__tensor__"
@@ -121,3 +123,15 @@ __all__ = [
     "warmup_cosine_lr",
     "write_record",
 ]
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as an artifact's files record it: under site-packages or the shared data folder it is written
+    ``<site-packages>/...`` or ``<shared data>/...``, so a committed artifact names no machine's folders."""
+    text = str(path)
+    roots = ((sysconfig.get_paths()["purelib"], "<site-packages>"), (str(shared_data_dir()), "<shared data>"))
+    for root, name in roots:
+        root = root.rstrip("/") + "/"
+        if text.startswith(root):
+            return name + "/" + text[len(root):]
+    return text

@@ -71,7 +71,7 @@ from leapdecode.train.data import (
     read_manifest,
     read_samples,
 )
-from leapdecode.train.loop import has_checkpoint, load_checkpoint, save_checkpoint, warmup_cosine_lr
+from leapdecode.train.loop import has_checkpoint, load_checkpoint, portable_path, save_checkpoint, warmup_cosine_lr
 from leapdecode.train.medusa_loss import TrainableHeads, head_losses, weighted_loss
 from leapdecode.train.medusa_schedules import CurriculumSampler, CurriculumSchedule, ProgressiveSchedule
 from leapdecode.train.medusa_tree import default_tree_nodes
@@ -544,7 +544,7 @@ class MedusaTrainer:
             "vocab_size": self.vocab,
             "vocab_subset_size": 0 if self.subset is None else len(self.subset),
             "vocab_subset_coverage": round(getattr(self, "coverage", 1.0), 4),
-            "base_model": {"name": model_display_name(Path(eng.model_path)), "path": str(eng.model_path),
+            "base_model": {"name": model_display_name(Path(eng.model_path)), "path": portable_path(eng.model_path),
                            "lm_head_fingerprint": lm_head_fingerprint(self.full_w)},
             "tree": tree,
             "validation": {k: v[k] for k in v if k != "tree"},
