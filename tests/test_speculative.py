@@ -17,7 +17,6 @@ from leapdecode.speculative.policy import DynamicGamma, StepCostModel, expected_
 from leapdecode.speculative.proposer import Proposal, Proposer
 from leapdecode.speculative.registry import parse_config
 from leapdecode.speculative.speculator import Speculator
-from leapdecode.speculative.state import DraftState
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
@@ -251,23 +250,3 @@ def test_a_calibrated_step_cost_model_learns_from_live_steps(plain_tiny):
     before = list(sp.cost.points)
     spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert sp.cost.points != before
-
-
-def test_a_drafter_with_nothing_to_draft_pauses_in_a_batch_and_never_at_batch_one() -> None:
-    # asking a drafter each step costs a batched step; its pause doubles to 8 steps, ends when it drafts or the
-    # batch shrinks, and batch 1 always asks
-    st = DraftState()
-    asked = []
-    for step in range(40):
-        if not Speculator._idle(st, "suffix", 8):
-            asked.append(step)
-            Speculator._said_no(st, "suffix", 8)
-    assert asked[:5] == [0, 2, 5, 10, 19] and all(b - a == 9 for a, b in zip(asked[4:], asked[5:]))
-    assert Speculator._idle(st, "suffix", 8)  # mid-pause
-    assert not Speculator._idle(st, "suffix", 4)  # the batch shrank: asked again, the pause starts over
-    Speculator._said_no(st, "suffix", 4)
-    assert st.idle["suffix"].pause == 1
-    for _ in range(20):
-        Speculator._said_no(st, "ngram", 1)
-        assert not Speculator._idle(st, "ngram", 1)
-    assert "ngram" not in st.idle

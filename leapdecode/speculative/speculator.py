@@ -34,11 +34,10 @@ from leapdecode.speculative.policy import DynamicGamma, GammaState, StepCostMode
 from leapdecode.speculative.proposer import EngineView, Proposer, Verification
 from leapdecode.speculative.registry import METHODS, auto_methods, make_proposer, parse_config
 from leapdecode.speculative.router import AUTO, KV_SHORT, AutoOptions, DrafterFacts, Router, pick
-from leapdecode.speculative.state import DraftState, IdleState
+from leapdecode.speculative.state import DraftState
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
-MAX_IDLE_STEPS = 8  # the longest pause of a drafter with nothing worth drafting in a batch (IdleState)
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
@@ -182,10 +181,7 @@ class Speculator:
         rates: dict[str, tuple[int, float]] = {}
         for name in names:
             prop = self.proposers[name]
-            if self.cost is not None and self._idle(st, name, batch):  # no cost model: asked every step
-                continue
             if not prop.has_draft(seq):  # e.g. prompt lookup without a match: not a candidate this step
-                self._said_no(st, name, batch)
                 continue
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
@@ -197,9 +193,6 @@ class Speculator:
                 self._chain_rate(seq, name, prop, room, batch)
             if k > 0 and rate > plain:
                 rates[name] = (k, rate)
-                st.idle.pop(name, None)
-            else:
-                self._said_no(st, name, batch)
         if self.router is None:  # the fastest (the first of equals)
             best = max(rates, key=lambda n: rates[n][1]) if rates else None
             best_k = rates[best][0] if best is not None else 0
@@ -209,32 +202,6 @@ class Speculator:
                 self.router.depart(seq, st, note)
         st.method = best
         return best_k
-
-    @staticmethod
-    def _idle(st: DraftState, name: str, batch: int) -> bool:
-        """Whether ``name`` sits this step out for the sequence: in a batch, a drafter that had nothing worth
-        drafting pauses (IdleState), since asking it (matching an index, growing a tree, sizing) every step costs
-        a batched step more than its rare drafts win there. At batch 1 it is asked every step: asking is a small
-        share of a one-row step, and a missed draft costs the most there."""
-        idle = st.idle.get(name)
-        if idle is None or batch <= 1 or batch < idle.batch:
-            if idle is not None:
-                idle.skip = idle.pause = 0
-            return False
-        if idle.skip > 0:
-            idle.skip -= 1
-            return True
-        return False
-
-    @staticmethod
-    def _said_no(st: DraftState, name: str, batch: int) -> None:
-        """``name`` had nothing worth drafting for the sequence this step: its next pause doubles (at most
-        MAX_IDLE_STEPS)."""
-        if batch <= 1:
-            return
-        idle = st.idle.setdefault(name, IdleState())
-        idle.pause = min(MAX_IDLE_STEPS, max(1, 2 * idle.pause))
-        idle.skip, idle.batch = idle.pause, batch
 
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
         """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises."""
