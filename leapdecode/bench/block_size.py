@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.eval.prompts import load_questions, shared_data_dir
+from leapdecode.eval.prompts import load_questions, shared_data_dir, train_prompts_path
 from leapdecode.train.distill import load_training_prompts
 
 
 def held_out_prompts(num_mt_bench: int, num_train_tail: int) -> dict[str, list[str]]:
     """``{"mt_bench": first turns, "train_tail": the last prompts of the training file}``."""
     data = shared_data_dir()
-    tail = load_training_prompts(data / "prompts" / "train_prompts.jsonl", None, 2000)[-num_train_tail:] \
+    tail = load_training_prompts(train_prompts_path(), None, 2000)[-num_train_tail:] \
         if num_train_tail else []
     return {"mt_bench": load_questions(data / "mt_bench" / "question.jsonl", num_mt_bench),
             "train_tail": [r["prompt"] for r in tail]}

@@ -21,6 +21,11 @@ def shared_data_dir() -> Path:
     return Path.cwd().parent / "shared" / "data"
 
 
+def train_prompts_path() -> Path:
+    """The shared data's training prompts: what the drafters' trainers read by default (never a benchmark set)."""
+    return shared_data_dir() / "prompts" / "train_prompts.jsonl"
+
+
 def load_questions(path: Path, limit: int | None) -> list[str]:
     """First turns of a Spec-Bench / MT-Bench style ``question.jsonl`` (``turns``), or ``prompt`` records."""
     if not path.is_file():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from leapdecode.eval.prompts import shared_data_dir
+from leapdecode.eval.prompts import train_prompts_path
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.train.loop import portable_path
@@ -39,7 +39,7 @@ def load_training_prompts(path: Path, limit: int | None, max_chars: int) -> list
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    prompts_path = Path(args.prompts) if args.prompts else shared_data_dir() / "prompts" / "train_prompts.jsonl"
+    prompts_path = Path(args.prompts) if args.prompts else train_prompts_path()
     recs = load_training_prompts(prompts_path, args.limit, args.max_prompt_chars)
     if not recs:
         raise ValueError(f"no usable prompts in {prompts_path}")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from leapdecode.atomic_files import replace_in_folder
-from leapdecode.eval.prompts import load_prompt_set, shared_data_dir
+from leapdecode.eval.prompts import load_prompt_set, train_prompts_path
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative import tree as T
@@ -89,7 +89,7 @@ def tune_tree(heads_dir: Path, llm: LLM, prompts: list[str], max_tokens: int, ma
 
 def cmd_medusa_tree(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_blocks=1024)
-    prompts_path = args.prompts or str(shared_data_dir() / "prompts" / "train_prompts.jsonl")
+    prompts_path = args.prompts or str(train_prompts_path())
     prompts = load_prompt_set(prompts_path, args.num_prompts)
     tune_tree(Path(args.heads) if args.heads else MEDUSA_DIR, llm, prompts, args.max_tokens, args.max_nodes)
     return 0
