@@ -185,3 +185,27 @@ def test_rotate_rows_matches_the_torch_basis_change() -> None:
     assert torch.equal(int8_kv.rotate_rows(q, None, None, transpose=False), q)
     alone = torch.cat([int8_kv.rotate_rows(q[i : i + 1], s, r, transpose=False) for i in range(5)])
     assert torch.equal(alone, int8_kv.rotate_rows(q, s, r, transpose=False))  # rows do not depend on each other
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 49152, 8), (5, 1000, 3), (3, 37, 37), (2, 20, 1)])
+def test_row_top_k_matches_topk_and_logsumexp(rows: int, vocab: int, k: int) -> None:
+    """The drafters' per-row summary (layer_ops.cpp): torch's top-k values and logsumexp, ties in index order,
+    and no row depends on the others (a whole vector loop plus a scalar tail: vocab 37 and 20)."""
+    g = torch.Generator().manual_seed(rows * vocab + k)
+    logits = torch.randn(rows, vocab, generator=g) * 6
+    vals, idx, lse = layer_ops.row_top_k(logits, k)
+    want_vals, _ = logits.topk(k, dim=-1)
+    assert torch.equal(vals, want_vals)
+    assert torch.equal(logits.gather(1, idx), vals)
+    torch.testing.assert_close(lse, logits.logsumexp(dim=-1), rtol=1e-6, atol=1e-5)
+    for r in range(rows):
+        one = layer_ops.row_top_k(logits[r : r + 1], k)
+        assert torch.equal(one[0], vals[r : r + 1]) and torch.equal(one[1], idx[r : r + 1])
+        assert torch.equal(one[2], lse[r : r + 1])
+    tied = torch.zeros(1, 40)
+    tied[0, [3, 17, 30]] = 2.0
+    assert layer_ops.row_top_k(tied, 5)[1].tolist() == [[3, 17, 30, 0, 1]]  # equal values: lower index first
+    masked = torch.full((1, 50), float("-inf"))
+    masked[0, 9] = 1.5
+    v, i, s = layer_ops.row_top_k(masked, 2)
+    assert i[0, 0] == 9 and v[0, 0] == 1.5 and v[0, 1] == float("-inf") and float(s[0]) == pytest.approx(1.5)

@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "ops.h"
@@ -98,4 +100,77 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
     const v16f y = c * (g + a * g * g * g);
     return 0.5f * g * (2.0f - 2.0f / (1.0f + exp16(2.0f * y)));
   });
+}
+
+// Per row of logits [T, V]: the k largest values (descending; of equal values the lower index first) with their
+// indices, and the row's logsumexp, in two passes over the row (its max, then the exponentials' sum while the
+// top-k list is kept), where topk and logsumexp in torch read the row three times and allocate between. The
+// training-free drafters learn from every verified row this way, so it runs once per row of every step.
+std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32,
+              "row_top_k: contiguous float32 [T, V] logits");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "row_top_k: k must be in [1, V], got ", k);
+  auto values = torch::empty({T, k}, logits.options());
+  auto indices = torch::empty({T, k}, logits.options().dtype(torch::kInt64));
+  auto lse = torch::empty({T}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  float* sp = lse.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto body = [&](int64_t begin, int64_t end) {
+    std::vector<float> top(k);
+    std::vector<int64_t> at(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      int64_t filled = 0;
+      std::fill(top.begin(), top.end(), neg_inf);
+      std::fill(at.begin(), at.end(), int64_t(-1));
+      auto offer = [&](float v, int64_t i) {  // insert v (index i) if it beats the k-th; ties keep the earlier
+        if (filled == k && !(v > top[k - 1])) return;
+        int64_t j = filled < k ? filled++ : k - 1;
+        while (j > 0 && v > top[j - 1]) {
+          top[j] = top[j - 1];
+          at[j] = at[j - 1];
+          --j;
+        }
+        top[j] = v;
+        at[j] = i;
+      };
+      float m = neg_inf;
+      int64_t i = 0;
+      v16f mv = v16f{} + neg_inf;
+      for (; i + 16 <= V; i += 16) {
+        v16f xv;
+        __builtin_memcpy(&xv, x + i, 64);
+        mv = xv > mv ? xv : mv;
+      }
+      for (int j = 0; j < 16; ++j) m = std::max(m, mv[j]);
+      for (; i < V; ++i) m = std::max(m, x[i]);
+      v16f acc{};
+      for (i = 0; i + 16 <= V; i += 16) {
+        v16f xv;
+        __builtin_memcpy(&xv, x + i, 64);
+        if (m > neg_inf) acc += exp16(xv - m);
+        float cm = xv[0];
+        for (int j = 1; j < 16; ++j) cm = std::max(cm, xv[j]);
+        if (filled < k || cm > top[k - 1])
+          for (int j = 0; j < 16; ++j) offer(xv[j], i + j);
+      }
+      float tail = 0.f;
+      for (; i < V; ++i) {
+        if (m > neg_inf) tail += exp16(v16f{} + (x[i] - m))[0];
+        offer(x[i], i);
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        vp[r * k + j] = top[j];
+        ip[r * k + j] = at[j];
+      }
+      sp[r] = m > neg_inf ? m + std::log(hsum(acc) + tail) : neg_inf;
+    }
+  };
+  if (T >= 2) at::parallel_for(0, T, 1, body);  // a verified tree or a batch: rows are independent
+  else body(0, T);
+  return {values, indices, lse};
 }

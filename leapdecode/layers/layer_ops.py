@@ -1,4 +1,5 @@
-"""Python side of kernels/layer_ops.cpp: RMSNorm, RoPE and the gated activations as one C++ call each."""
+"""Python side of kernels/layer_ops.cpp: RMSNorm, RoPE, the gated activations and the logits rows' top-k with their
+logsumexp, as one C++ call each."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (GELU's tanh form) of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
     return extension.ext.gelu_tanh_mul(gate_up.contiguous())
 
+
+def row_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` [T, V]: its ``k`` largest values (descending), their indices and the row's logsumexp,
+    in one C++ pass pair over each row (layer_ops.cpp) for CPU float32; torch's topk and logsumexp otherwise (the
+    same values; equal logits may come in another order)."""
+    if (extension.ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.dim() == 2 and not logits.requires_grad):
+        vals, idx, lse = extension.ext.row_top_k(logits.contiguous(), k)
+        return vals, idx, lse
+    vals, idx = logits.topk(k, dim=-1)
+    return vals, idx, logits.logsumexp(dim=-1)

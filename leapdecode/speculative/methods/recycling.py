@@ -35,6 +35,7 @@ import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
+from leapdecode.layers.layer_ops import row_top_k
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.options import check, is_int
 from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification
@@ -100,9 +101,8 @@ class SuccessorMatrix:
         keeps its last row."""
         if not tokens:
             return
-        logits = logits.detach().float()
-        vals, idx = logits.topk(self.top_k, dim=-1)
-        probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        vals, idx, lse = row_top_k(logits.detach().float(), self.top_k)
+        probs = (vals - lse.unsqueeze(-1)).exp()
         rows = torch.tensor(tokens, dtype=torch.long)
         keep = (rows >= 0) & (rows < self.vocab_size)
         self.tokens[rows[keep]] = idx[keep].to(device="cpu", dtype=torch.int32)
