@@ -13,10 +13,11 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.speculative.acceptance import verify_greedy, verify_sampling
 from leapdecode.speculative.methods.hybrid import HybridOptions
 from leapdecode.speculative.options import DrafterOptions
-from leapdecode.speculative.policy import DynamicGamma, StepCostModel, expected_tokens
+from leapdecode.speculative.policy import DynamicGamma, StepCostModel, TreeRealism, expected_tokens
 from leapdecode.speculative.proposer import Proposal, Proposer
 from leapdecode.speculative.registry import parse_config
 from leapdecode.speculative.speculator import Speculator
+from leapdecode.speculative.state import DraftState
 
 from .conftest import SPEC_PROMPTS as PROMPTS
 from .conftest import assert_no_leaks
@@ -250,3 +251,80 @@ def test_a_calibrated_step_cost_model_learns_from_live_steps(plain_tiny):
     before = list(sp.cost.points)
     spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert sp.cost.points != before
+
+
+def test_a_drafter_with_nothing_to_draft_pauses_in_a_batch_and_never_at_batch_one() -> None:
+    # asking a drafter each step costs a batched step; its pause doubles to 8 steps, ends when it drafts or the
+    # batch shrinks, and batch 1 always asks
+    st = DraftState()
+    asked = []
+    for step in range(40):
+        if not Speculator._idle(st, "suffix", 8):
+            asked.append(step)
+            Speculator._said_no(st, "suffix", 8)
+    assert asked[:5] == [0, 2, 5, 10, 19] and all(b - a == 9 for a, b in zip(asked[4:], asked[5:]))
+    assert Speculator._idle(st, "suffix", 8)  # mid-pause
+    assert not Speculator._idle(st, "suffix", 4)  # the batch shrank: asked again, the pause starts over
+    Speculator._said_no(st, "suffix", 4)
+    assert st.idle["suffix"].pause == 1
+    for _ in range(20):
+        Speculator._said_no(st, "ngram", 1)
+        assert not Speculator._idle(st, "ngram", 1)
+    assert "ngram" not in st.idle
+
+
+def test_tree_realism_scales_promises_by_what_trees_delivered_and_fades_back() -> None:
+    r = TreeRealism()
+    assert r.ratio("suffix") == 1.0  # no history: the drafter's own estimate stands
+    for _ in range(20):
+        r.record("suffix", 1.0, 0)  # promised one accepted node, got none
+    low = r.ratio("suffix")
+    assert low < 0.15
+    for _ in range(2000):
+        r.fade("suffix")
+    assert low < r.ratio("suffix") < 1.0  # declining drifts it back toward 1, slowly
+    for _ in range(200):
+        r.record("recycling", 0.5, 2)  # under-promises: capped at twice its estimate
+    assert r.ratio("recycling") == 2.0
+    assert r.ratio("ngram") == 1.0  # per method
+
+
+class DecoyTrees(Proposer):
+    """Trees that promise two accepted tokens and hold only tokens the target never emits next."""
+
+    name = "decoy"
+
+    def __init__(self, futures: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.futures, self.vocab = futures, vocab
+
+    def tree_budget(self, seq, room, cost, batch):
+        return min(4, room), 3.0
+
+    def propose(self, seqs, budgets):
+        out = []
+        for seq, k in zip(seqs, budgets):
+            nxt = self.futures[tuple(seq.prompt_token_ids)][seq.num_output_tokens]
+            out.append(Proposal([(nxt + 1 + j) % self.vocab for j in range(k)], None, [-1] * k))
+        return out
+
+
+def test_a_tree_drafter_that_over_promises_stops_drafting_and_stays_lossless(plain_tiny):
+    """Verification rows that cost something (a hand-set curve) and trees that promise 2 accepted tokens but never
+    hold the target's next token: without the realism scale every step would draft; with it drafting stops after
+    a few trees and comes back only rarely. The tokens are plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = plain_tiny.generate(PROMPTS, params, use_tqdm=False)
+    futures = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in base}
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": False})
+    eng = spec.engine
+    decoys = DecoyTrees(futures, eng.model_config.vocab_size)
+    eng.speculator = sp = Speculator(eng.drafting_view(), SpeculativeConfig(method="ngram", use_cost_model=False),
+                                     decoys)
+    sp.cost = StepCostModel([(1, 1.0), (5, 1.5), (65, 3.0)])  # four extra rows: half a step
+    outs = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    drafts = sum(o.metrics.num_drafts for o in outs)
+    steps = sum(o.metrics.num_target_steps for o in outs)
+    assert 0 < drafts <= 0.1 * steps, (drafts, steps)
+    assert sp.realism.ratio("ngram") < 0.3  # the proposer drafts under the configured method's name
+    assert_no_leaks(spec)

@@ -30,14 +30,22 @@ from leapdecode.speculative.acceptance import (
     verify_tree_sampling,
     verify_tree_typical,
 )
-from leapdecode.speculative.policy import DynamicGamma, GammaState, StepCostModel, calibrate_target, expected_tokens
+from leapdecode.speculative.policy import (
+    DynamicGamma,
+    GammaState,
+    StepCostModel,
+    TreeRealism,
+    calibrate_target,
+    expected_tokens,
+)
 from leapdecode.speculative.proposer import EngineView, Proposer, Verification
 from leapdecode.speculative.registry import METHODS, auto_methods, make_proposer, parse_config
 from leapdecode.speculative.router import AUTO, KV_SHORT, AutoOptions, DrafterFacts, Router, pick
-from leapdecode.speculative.state import DraftState
+from leapdecode.speculative.state import DraftState, IdleState
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
+MAX_IDLE_STEPS = 8  # the longest pause of a drafter with nothing worth drafting in a batch (IdleState)
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
@@ -77,6 +85,7 @@ class Speculator:
         # these ~0.1-1 ms decide whether 1.15 tokens per step pay, so they enter every rate below.
         self.propose_s: dict[str, float] = {}
         self.verify_s = 0.0
+        self.realism = TreeRealism()  # tree drafters: accepted nodes against what their own estimates promised
         # drafts verified, per draft position j (a tree's depth j): [drafted at j, of them accepted] (acceptance by
         # draft position; a tree counts as accepted at depth j when its accepted path reached it)
         self.position_counts: list[list[int]] = []
@@ -158,7 +167,8 @@ class Speculator:
         return limits
 
     def _limit(self, seq: Sequence, batch: int) -> int:
-        self.draft_state(seq).method = None
+        st = self.draft_state(seq)
+        st.method, st.tree_promise = None, 0.0
         if not seq.params.speculative:
             return 0
         room = self._room(seq)
@@ -179,9 +189,13 @@ class Speculator:
         # every method must beat plain decoding's rate to be chosen
         plain = batch / self.cost(batch) if self.cost is not None else 0.0
         rates: dict[str, tuple[int, float]] = {}
+        promised: dict[str, float] = {}  # tree drafters: the accepted nodes their own estimates promise
         for name in names:
             prop = self.proposers[name]
+            if self.cost is not None and self._idle(st, name, batch):  # no cost model: asked every step
+                continue
             if not prop.has_draft(seq):  # e.g. prompt lookup without a match: not a candidate this step
+                self._said_no(st, name, batch)
                 continue
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
@@ -193,6 +207,13 @@ class Speculator:
                 self._chain_rate(seq, name, prop, room, batch)
             if k > 0 and rate > plain:
                 rates[name] = (k, rate)
+                st.idle.pop(name, None)
+                if tree is not None:
+                    promised[name] = tree[1] - 1.0
+            else:
+                self._said_no(st, name, batch)
+                if tree is not None:
+                    self.realism.fade(name)
         if self.router is None:  # the fastest (the first of equals)
             best = max(rates, key=lambda n: rates[n][1]) if rates else None
             best_k = rates[best][0] if best is not None else 0
@@ -201,15 +222,43 @@ class Speculator:
             if note is not None:
                 self.router.depart(seq, st, note)
         st.method = best
+        st.tree_promise = promised.get(best, 0.0) if best is not None else 0.0
         return best_k
 
+    @staticmethod
+    def _idle(st: DraftState, name: str, batch: int) -> bool:
+        """Whether ``name`` sits this step out for the sequence: in a batch, a drafter that had nothing worth
+        drafting pauses (IdleState), since asking it (matching an index, growing a tree, sizing) every step costs
+        a batched step more than its rare drafts win there. At batch 1 it is asked every step: asking is a small
+        share of a one-row step, and a missed draft costs the most there."""
+        idle = st.idle.get(name)
+        if idle is None or batch <= 1 or batch < idle.batch:
+            if idle is not None:
+                idle.skip = idle.pause = 0
+            return False
+        if idle.skip > 0:
+            idle.skip -= 1
+            return True
+        return False
+
+    @staticmethod
+    def _said_no(st: DraftState, name: str, batch: int) -> None:
+        """``name`` had nothing worth drafting for the sequence this step: its next pause doubles (at most
+        MAX_IDLE_STEPS)."""
+        if batch <= 1:
+            return
+        idle = st.idle.setdefault(name, IdleState())
+        idle.pause = min(MAX_IDLE_STEPS, max(1, 2 * idle.pause))
+        idle.skip, idle.batch = idle.pause, batch
+
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
-        """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises."""
+        """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises, its own estimate
+        of the accepted nodes scaled by what its trees have delivered against such estimates (TreeRealism)."""
         k, exp_tokens = tree
         if k <= 0 or self.cost is None:
             return k, exp_tokens
         t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
-        return k, (batch - 1 + exp_tokens) / t
+        return k, (batch + (exp_tokens - 1.0) * self.realism.ratio(name)) / t
 
     def _chain_rate(self, seq: Sequence, name: str, prop: Proposer, room: int, batch: int) -> tuple[int, float]:
         """A chain drafter's dynamic γ for ``seq``, cut to what pays under the cost model, and its rate."""
@@ -363,6 +412,9 @@ class Speculator:
         parents = list(draft.parents) if draft.parents is not None else None
         if parents is not None:
             tokens, path, logits = self._walk_tree(seq, drafts, parents, res, prop)
+            promise = self.draft_state(seq).tree_promise
+            if promise > 0:
+                self.realism.record(draft.method, promise, len(path))
             self._compact(seq, path)
             hidden_row = path[-1] + 1 if path else 0
             # a gathered copy: made only for a request that reports log-probabilities

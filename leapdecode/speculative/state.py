@@ -65,6 +65,17 @@ class DifficultyState:
 
 
 @dataclass
+class IdleState:
+    """One sequence's pause for one drafter in a batch: a drafter that had nothing worth drafting is asked again
+    only after ``skip`` steps, a pause that doubles (1, 2, 4, 8) while it keeps having nothing, and ends at once
+    when it drafts or the batch gets smaller than ``batch`` (the size it last said no at)."""
+
+    skip: int = 0
+    pause: int = 0
+    batch: int = 0
+
+
+@dataclass
 class DraftState:
     """Per-sequence draft state. Invariant: ``method`` names the one proposer that drafts this step (None: plain
     decoding), and only that proposer is told the verification result."""
@@ -76,6 +87,8 @@ class DraftState:
     route: Route | None = None
     domain: DomainState = field(default_factory=DomainState)
     difficulty: DifficultyState = field(default_factory=DifficultyState)  # the difficulty-driven compute path
+    idle: dict[str, IdleState] = field(default_factory=dict)  # per drafter: its pause in a batch (IdleState)
+    tree_promise: float = 0.0  # the accepted nodes this step's tree drafter promised by its own estimate
 
 
-__all__ = ["PRIOR_ACCEPTANCE", "DifficultyState", "DomainState", "DraftState", "GammaState", "Route"]
+__all__ = ["PRIOR_ACCEPTANCE", "DifficultyState", "DomainState", "DraftState", "GammaState", "IdleState", "Route"]
