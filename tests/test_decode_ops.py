@@ -209,3 +209,21 @@ def test_row_top_k_matches_topk_and_logsumexp(rows: int, vocab: int, k: int) -> 
     masked[0, 9] = 1.5
     v, i, s = layer_ops.row_top_k(masked, 2)
     assert i[0, 0] == 9 and v[0, 0] == 1.5 and v[0, 1] == float("-inf") and float(s[0]) == pytest.approx(1.5)
+
+
+def test_record_successors_writes_each_rows_top_k_in_order() -> None:
+    """Token Recycling's matrix update (layer_ops.cpp): each row's top-k ids and softmax probabilities into the
+    matrix row of its input token, rows in order (a repeated token keeps its last row), out-of-range tokens
+    skipped; the same as torch's topk / logsumexp."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 4
+    tokens = [7, 2, 7, -1, 40]
+    ids = torch.full((40, 4), -1, dtype=torch.int32)
+    probs = torch.zeros(40, 4, dtype=torch.float16)
+    layer_ops.record_successors(logits, tokens, ids, probs)
+    vals, idx = logits.topk(4, dim=-1)
+    want = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    assert ids[7].tolist() == idx[2].tolist() and ids[2].tolist() == idx[1].tolist()
+    torch.testing.assert_close(probs[7].float(), want[2].half().float(), rtol=1e-3, atol=1e-4)
+    untouched = [r for r in range(40) if r not in (2, 7)]
+    assert (ids[untouched] == -1).all() and (probs[untouched] == 0).all()  # -1 and 40 are outside the rows

@@ -174,3 +174,32 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
   else body(0, T);
   return {values, indices, lse};
 }
+
+// Token Recycling's successor matrix learns from verified rows: for each row r of logits [T, V] whose input token
+// is tokens[r], the row's top-k (row_top_k) becomes matrix row tokens[r] -- successor ids (int32) and their
+// probabilities exp(value - logsumexp) as float16. Rows are written in order, so a token given twice keeps its
+// last row; a token outside the matrix is skipped. One call per step instead of ~12 torch calls.
+void record_successors(torch::Tensor logits, torch::Tensor tokens, torch::Tensor succ_tokens, torch::Tensor succ_probs) {
+  const int64_t k = succ_tokens.size(1), rows = succ_tokens.size(0), T = logits.size(0);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == T && tokens.scalar_type() == torch::kInt64,
+              "record_successors: one int64 input token per logits row");
+  TORCH_CHECK(succ_tokens.is_contiguous() && succ_tokens.scalar_type() == torch::kInt32 &&
+                  succ_probs.is_contiguous() && succ_probs.scalar_type() == torch::kHalf &&
+                  succ_probs.sizes() == succ_tokens.sizes(),
+              "record_successors: contiguous int32 ids and float16 probabilities of one shape [rows, k]");
+  const auto top = row_top_k(logits, k);
+  const float* vp = top[0].data_ptr<float>();
+  const int64_t* ip = top[1].data_ptr<int64_t>();
+  const float* sp = top[2].data_ptr<float>();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  int32_t* st = succ_tokens.data_ptr<int32_t>();
+  at::Half* pp = succ_probs.data_ptr<at::Half>();
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t t = tp[r];
+    if (t < 0 || t >= rows) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      st[t * k + j] = static_cast<int32_t>(ip[r * k + j]);
+      pp[t * k + j] = at::Half(std::exp(vp[r * k + j] - sp[r]));
+    }
+  }
+}

@@ -41,3 +41,22 @@ def row_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
         return vals, idx, lse
     vals, idx = logits.topk(k, dim=-1)
     return vals, idx, logits.logsumexp(dim=-1)
+
+
+def record_successors(logits: torch.Tensor, tokens: list[int], succ_tokens: torch.Tensor,
+                      succ_probs: torch.Tensor) -> None:
+    """Row ``i`` of ``logits`` [T, V] had input token ``tokens[i]``: its top-k ids and probabilities (softmax over
+    the whole row) become row ``tokens[i]`` of ``succ_tokens`` (int32) and ``succ_probs`` (float16) [rows, k], in
+    order (a token given twice keeps its last row; one outside the rows is skipped). One C++ call for CPU float32
+    (layer_ops.cpp); torch's ops otherwise."""
+    k = succ_tokens.shape[1]
+    if (extension.ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.dim() == 2 and not logits.requires_grad):
+        extension.ext.record_successors(logits.contiguous(), torch.tensor(tokens, dtype=torch.long), succ_tokens,
+                                        succ_probs)
+        return
+    vals, idx, lse = row_top_k(logits, k)
+    rows = torch.tensor(tokens, dtype=torch.long)
+    keep = (rows >= 0) & (rows < succ_tokens.shape[0])
+    succ_tokens[rows[keep]] = idx[keep].to(device="cpu", dtype=torch.int32)
+    succ_probs[rows[keep]] = (vals - lse.unsqueeze(-1)).exp()[keep].to(device="cpu", dtype=torch.float16)

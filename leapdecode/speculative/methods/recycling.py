@@ -35,7 +35,7 @@ import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
-from leapdecode.layers.layer_ops import row_top_k
+from leapdecode.layers.layer_ops import record_successors
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.options import check, is_int
 from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification
@@ -101,12 +101,7 @@ class SuccessorMatrix:
         keeps its last row."""
         if not tokens:
             return
-        vals, idx, lse = row_top_k(logits.detach().float(), self.top_k)
-        probs = (vals - lse.unsqueeze(-1)).exp()
-        rows = torch.tensor(tokens, dtype=torch.long)
-        keep = (rows >= 0) & (rows < self.vocab_size)
-        self.tokens[rows[keep]] = idx[keep].to(device="cpu", dtype=torch.int32)
-        self.probs[rows[keep]] = probs[keep].to(device="cpu", dtype=torch.float16)
+        record_successors(logits.detach().float(), tokens, self.tokens, self.probs)
         self.num_updates += len(tokens)
 
     def successors(self, token: int) -> list[int]:
