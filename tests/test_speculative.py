@@ -328,3 +328,47 @@ def test_a_tree_drafter_that_over_promises_stops_drafting_and_stays_lossless(pla
     assert 0 < drafts <= 0.1 * steps, (drafts, steps)
     assert sp.realism.ratio("ngram") < 0.3  # the proposer drafts under the configured method's name
     assert_no_leaks(spec)
+
+
+def test_headroom_is_what_perfect_drafts_could_gain_at_a_batch() -> None:
+    cheap = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])  # rows nearly free up to 9
+    assert cheap.headroom(1, 8) == pytest.approx(9 / 1.2)
+    linear = StepCostModel([(1, 1.0), (65, 65.0)])  # every row costs a whole step
+    assert linear.headroom(8, 8) == pytest.approx(1.0)
+    assert linear.headroom(8, 0) == pytest.approx(1.0)
+
+
+class CountingDrafter(Proposer):
+    """Counts how often the speculator asks it; drafts nothing."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def has_draft(self, seq):
+        self.asked += 1
+        return False
+
+    def propose(self, seqs, budgets):
+        return [Proposal([]) for _ in seqs]
+
+
+def test_drafters_are_not_asked_in_a_batch_where_no_draft_could_pay(plain_tiny):
+    """Where the measured rows cost their count (no headroom at this batch), the drafters are not asked at all
+    (a suffix drafter would index every prompt for nothing); at batch 1 and where rows are cheap they are."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": False})
+    eng = spec.engine
+    drafter = CountingDrafter()
+    eng.speculator = sp = Speculator(eng.drafting_view(), SpeculativeConfig(method="ngram", use_cost_model=False),
+                                     drafter)
+    sp.cost = StepCostModel([(1, 1.0), (65, 65.0)])
+    spec.generate(PROMPTS, params, use_tqdm=False)  # a batch of len(PROMPTS) > 1 sequences
+    assert drafter.asked <= len(PROMPTS)  # only once the batch has shrunk to one
+    spec.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert drafter.asked >= 6  # batch 1: asked every step that has room for a draft
+    sp.cost = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])
+    before = drafter.asked
+    spec.generate(PROMPTS, params, use_tqdm=False)
+    assert drafter.asked - before >= 2 * len(PROMPTS)  # rows cheap: asked in the batch too

@@ -165,6 +165,14 @@ class StepCostModel:
             fixed.append((n, best))
         return cls(fixed, online=True)
 
+    def headroom(self, batch: int, max_drafts: int) -> float:
+        """The most a step of ``batch`` one-token sequences could speed up if one of them verified up to
+        ``max_drafts`` drafts and every draft were accepted: max over k of ((batch + k) / t(batch + k)) over
+        (batch / t(batch)). Where rows cost in proportion to their count (a CPU's compute-bound regime) it is about
+        1: no drafter can pay there, whatever it drafts."""
+        base = batch / self(batch)
+        return max(((batch + k) / self(batch + k) for k in range(1, max_drafts + 1)), default=base) / base
+
     def __call__(self, n: int) -> float:
         return self._interp(self.xs, self.points, n)
 

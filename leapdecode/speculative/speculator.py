@@ -44,6 +44,7 @@ from leapdecode.speculative.router import AUTO, KV_SHORT, AutoOptions, DrafterFa
 from leapdecode.speculative.state import DraftState, IdleState
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
+MIN_HEADROOM = 1.2  # in a batch, drafting is considered only where perfect drafts could speed the step up 20%
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
 MAX_IDLE_STEPS = 8  # the longest pause of a drafter with nothing worth drafting in a batch (IdleState)
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
@@ -160,6 +161,14 @@ class Speculator:
         decoding), with ``num_running`` sequences in the batch; picks each one's method."""
         batch = max(1, num_running)
         limits: dict[str, int] = {}
+        if batch > 1 and self.cost is not None and \
+                self.cost.headroom(batch, self.cfg.max_draft_tokens) < MIN_HEADROOM:
+            # rows cost about their count at this batch (measured): even drafts that were all accepted would gain
+            # less than asking the drafters (indexing prompts, matching, sizing) costs a batched step
+            for seq in decoding:
+                st = self.draft_state(seq)
+                st.method, st.tree_promise = None, 0.0
+            return limits
         for seq in decoding:
             k = self._limit(seq, batch)
             if k > 0:
