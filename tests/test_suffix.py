@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import random
 import tracemalloc
 from collections import Counter
 
 import pytest
 
 from leapdecode import LLM, SamplingParams
-from leapdecode.speculative.methods.suffix import GlobalSuffixCache, SuffixOptions, SuffixProposer, SuffixTrie
+from leapdecode.kernels import extension
+from leapdecode.speculative.methods.suffix import (
+    GlobalSuffixCache,
+    NativeRequestTrie,
+    RequestTrie,
+    SuffixOptions,
+    SuffixProposer,
+    SuffixTrie,
+)
 from leapdecode.speculative.registry import parse_config
 from leapdecode.speculative.tree import depths_of
 
@@ -68,6 +77,36 @@ def test_match_and_frequency_scored_tree():
     depths_of([n.parent for n in nodes])  # parents first
     assert all(n.score <= (nodes[n.parent].score if n.parent >= 0 else 1.0) for n in nodes)
     assert trie.match([8, 8], 4) == (None, 0)
+
+
+def test_the_native_request_trie_is_the_python_trie_node_for_node():
+    """kernels/suffix_index.cpp against RequestTrie: the same node count, the same longest match for every context,
+    the same best-first tree (tokens, parents, scores to the bit) from it, text appended in uneven pieces."""
+    if extension.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    rng = random.Random(5)
+    phrases = [[rng.randrange(40) for _ in range(rng.randrange(2, 9))] for _ in range(12)]
+    text: list[int] = []
+    while len(text) < 1500:
+        text += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(300)]
+    for depth in (4, 24):
+        py, native = RequestTrie(depth), NativeRequestTrie(depth)
+        done = 0
+        while done < len(text):
+            piece = text[done : done + rng.randrange(1, 60)]
+            py.append(piece)
+            native.append(piece)
+            done += len(piece)
+            assert native.num_nodes == py.num_nodes
+            for max_match in (1, 3, 16):
+                ctx = text[max(0, done - 20) : done]
+                (pn, plen), (nn, nlen) = py.match(ctx, max_match), native.match(ctx, max_match)
+                assert plen == nlen and (pn is None) == (nn is None)
+                if pn is not None:
+                    for limit, min_prob in ((1, 0.0), (32, 0.0), (16, 0.1)):
+                        want = py.draft_nodes(pn, limit, min_prob, depth - plen)[0]
+                        assert native.draft_nodes(nn, limit, min_prob, depth - plen)[0] == want
+    assert native.memory_bytes() < py.memory_bytes() / 4
 
 
 def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):

@@ -534,4 +534,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_rows", &rotate_rows, "(x * smooth) @ R, or x @ R^T, per row of [T, H, D] (int8 KV basis changes)");
   m.def("decoder_layer_i8", &decoder_layer_i8, "the same over an int8 KV cache (kv_quant.QuantizedKV planes)");
   m.def("decoder_stack", &decoder_stack, "a run of decoder layers (float32 or int8 cache) for one step in one call");
+  bind_suffix_index(m);
 }

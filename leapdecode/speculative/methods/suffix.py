@@ -36,6 +36,7 @@ import torch
 
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.sequence import Sequence
+from leapdecode.kernels import extension
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.recycling import Node, best_size
 from leapdecode.speculative.options import check, is_int, is_prob
@@ -268,12 +269,56 @@ class GlobalSuffixCache:
         return self.trie.memory_bytes() + 4 * self.num_tokens + TEXT_BYTES * len(self.texts)
 
 
+class RequestTrie(SuffixTrie):
+    """One request's trie over its prompt and output, extended as its tokens arrive (``active``: the text's suffix
+    nodes)."""
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(max_depth)
+        self.active: list[TrieNode] = []
+
+    def append(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.active = self.extend(self.active, t)
+
+
+class NativeRequestTrie:
+    """:class:`RequestTrie` in C++ (kernels/suffix_index.cpp): the same counts, matches and trees, node for node
+    (tests/test_suffix.py), at ~2 us an indexed token where Python's objects cost ~40 us, which on a long prompt
+    came to several decode steps. Nodes are ints here (None: no match)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self._index = extension.ext.SuffixIndex(max_depth)
+
+    def append(self, tokens: list[int]) -> None:
+        self._index.append(tokens)
+
+    def match(self, context: list[int], max_match: int) -> tuple[int | None, int]:
+        node, length = self._index.match(context, max_match)
+        return (node if node >= 0 else None), length
+
+    def draft_nodes(self, node: int, max_nodes: int, min_prob: float, max_depth: int) -> tuple[list[Node], None]:
+        tokens, parents, scores = self._index.draft(node, max_nodes, min_prob, max_depth)
+        return [Node(t, p, sc) for t, p, sc in zip(tokens, parents, scores)], None
+
+    @property
+    def num_nodes(self) -> int:
+        return self._index.num_nodes
+
+    def memory_bytes(self) -> int:
+        return self._index.memory_bytes()
+
+
+def request_trie(max_depth: int) -> RequestTrie | NativeRequestTrie:
+    """A request's own trie: in C++ where the kernels are built, else in Python."""
+    return NativeRequestTrie(max_depth) if extension.ext is not None else RequestTrie(max_depth)
+
+
 @dataclass
 class RequestIndex:
     """A request's own trie over its prompt and output, and what it drafted last."""
 
-    trie: SuffixTrie
-    active: list[TrieNode] = field(default_factory=list)
+    trie: RequestTrie | NativeRequestTrie
     done: int = 0  # tokens indexed
     grown: tuple[int, list[Node]] = (-1, [])  # (sequence length, the tree) of the last sizing
     grown_from: list[TrieNode] | None = None  # the global trie's node of each tree node (None: the own trie's)
@@ -304,11 +349,11 @@ class SuffixProposer(Proposer):
     def _index(self, seq: Sequence) -> RequestIndex:
         idx = self._requests.get(seq.request_id)
         if idx is None:
-            idx = self._requests[seq.request_id] = RequestIndex(SuffixTrie(self.opts.max_depth))
+            idx = self._requests[seq.request_id] = RequestIndex(request_trie(self.opts.max_depth))
         toks = seq.token_ids
-        for t in toks[idx.done :]:
-            idx.active = idx.trie.extend(idx.active, t)
-        idx.done = len(toks)
+        if idx.done < len(toks):
+            idx.trie.append(toks[idx.done :])
+            idx.done = len(toks)
         return idx
 
     def grow(self, seq: Sequence) -> list[Node]:
@@ -411,4 +456,5 @@ METHOD = Method(
     auto=AutoUse("separate", rank=2, usable=lambda cfg, target: True),
 )
 
-__all__ = ["METHOD", "GlobalSuffixCache", "SuffixOptions", "SuffixProposer", "SuffixTrie", "TrieNode"]
+__all__ = ["METHOD", "GlobalSuffixCache", "NativeRequestTrie", "RequestTrie", "SuffixOptions", "SuffixProposer",
+           "SuffixTrie", "TrieNode", "request_trie"]
