@@ -16,7 +16,7 @@ from leapdecode.speculative.options import DrafterOptions
 from leapdecode.speculative.policy import DynamicGamma, StepCostModel, TreeRealism, expected_tokens
 from leapdecode.speculative.proposer import Proposal, Proposer
 from leapdecode.speculative.registry import parse_config
-from leapdecode.speculative.speculator import Speculator
+from leapdecode.speculative.speculator import LEARN_ROWS_WITHOUT_HEADROOM, Speculator
 from leapdecode.speculative.state import DraftState
 
 from .conftest import SPEC_PROMPTS as PROMPTS
@@ -372,3 +372,24 @@ def test_drafters_are_not_asked_in_a_batch_where_no_draft_could_pay(plain_tiny):
     before = drafter.asked
     spec.generate(PROMPTS, params, use_tqdm=False)
     assert drafter.asked - before >= 2 * len(PROMPTS)  # rows cheap: asked in the batch too
+
+
+def test_row_observers_learn_from_a_few_rows_in_turn_where_no_draft_could_pay(plain_tiny):
+    """Recycling learns from every row at batch 1 and where rows are cheap; in a batch without headroom from
+    LEARN_ROWS_WITHOUT_HEADROOM rows a step, taken in turn so that every sequence's rows are learned from."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "recycling"})
+    sp = spec.engine.speculator
+    prop = sp.proposers["recycling"]
+    seen: list[list[int]] = []
+    learn = prop.observe_rows
+    prop.observe_rows = lambda tokens, logits: (seen.append(list(tokens)), learn(tokens, logits))[1]
+    sp.cost = StepCostModel([(1, 1.0), (65, 65.0)])  # rows cost their count: no headroom in a batch
+    spec.generate(PROMPTS, params, use_tqdm=False)
+    batched = seen[1:]  # (the prompts' step: nothing was running when its limits were set)
+    assert batched and max(len(t) for t in batched) == LEARN_ROWS_WITHOUT_HEADROOM
+    assert len({tok for t in batched for tok in t}) > LEARN_ROWS_WITHOUT_HEADROOM  # different rows in turn
+    seen.clear()
+    sp.cost = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])  # cheap rows: every row
+    spec.generate(PROMPTS, params, use_tqdm=False)
+    assert max(len(t) for t in seen) > LEARN_ROWS_WITHOUT_HEADROOM  # every row (and verified trees' rows)
