@@ -393,3 +393,35 @@ def test_row_observers_learn_from_a_few_rows_in_turn_where_no_draft_could_pay(pl
     sp.cost = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])  # cheap rows: every row
     spec.generate(PROMPTS, params, use_tqdm=False)
     assert max(len(t) for t in seen) > LEARN_ROWS_WITHOUT_HEADROOM  # every row (and verified trees' rows)
+
+
+class EagerTrees(Proposer):
+    """Promises two accepted tokens from a 4-node tree for every sequence; drafts nothing when asked."""
+
+    name = "eager"
+
+    def tree_budget(self, seq, room, cost, batch):
+        return min(4, room), 3.0
+
+    def propose(self, seqs, budgets):
+        return [Proposal([]) for _ in seqs]
+
+
+def test_a_batchs_drafts_are_sized_against_the_step_earlier_grants_left(plain_tiny):
+    """Rows nearly free up to 8, then each costing a whole step: a sequence alone would draft 4 nodes, and in a
+    batch of 4 each one would if sized as the only drafter (16 extra rows); sized against the step as the earlier
+    grants left it, one sequence per step gets its tree."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": False})
+    eng = spec.engine
+    eng.speculator = sp = Speculator(eng.drafting_view(), SpeculativeConfig(method="ngram", use_cost_model=False),
+                                     EagerTrees())
+    sp.cost = StepCostModel([(1, 1.0), (8, 1.05), (65, 60.0)])
+    granted: list[int] = []
+    limits = sp.draft_limits
+    sp.draft_limits = lambda decoding, n: (lambda got: (granted.append(len(got)), got)[1])(limits(decoding, n))
+    spec.generate(PROMPTS, params, use_tqdm=False)
+    assert len(PROMPTS) == 4 and max(granted) == 1, granted
+    granted.clear()
+    spec.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert max(granted) == 1  # alone, it drafts

@@ -187,10 +187,11 @@ class StepCostModel:
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
 
-    def best_gamma(self, alpha: float, max_gamma: int, batch_tokens: int, batch_size: int,
+    def best_gamma(self, alpha: float, max_gamma: int, batch_tokens: int, batch_size: float,
                    draft_cost=lambda g: 0.0, rows=lambda g: g, expected=expected_tokens) -> int:
         """The γ in [0, max_gamma] that maximises this step's tokens per second, for one sequence in a step
-        that otherwise holds ``batch_tokens`` tokens of ``batch_size`` sequences; 0 means plain decoding.
+        that otherwise holds ``batch_tokens`` rows expected to emit ``batch_size`` tokens (one per sequence, more
+        where earlier sequences were granted drafts); 0 means plain decoding.
         At batch 1 this is the classic test E(α, γ) · t(1) > t(1 + γ) + draft time. A drafter that verifies more
         than its γ chain tokens (a hybrid tree) passes ``rows(γ)``, the rows it adds to the step, and its own
         ``expected(α, γ)`` tokens per step."""

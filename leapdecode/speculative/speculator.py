@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,22 @@ LEARN_ROWS_WITHOUT_HEADROOM = 2  # rows the row observers learn from in a batche
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
 MAX_IDLE_STEPS = 8  # the longest pause of a drafter with nothing worth drafting in a batch (IdleState)
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
+
+
+@dataclass
+class StepLoad:
+    """The step as ``draft_limits`` has sized it so far: ``batch`` sequences, ``rows`` rows (each sequence's token
+    plus the drafts granted so far) and the tokens it is expected to emit. Each sequence's drafts are weighed
+    against the step as the earlier grants left it, so a batch in which every sequence would draft if it were the
+    only one does not grow into a step whose rows cost more than they emit."""
+
+    batch: int
+    rows: int
+    tokens: float
+
+    def grant(self, k: int, gain: float) -> None:
+        self.rows += k
+        self.tokens += gain
 
 
 def _draft_depth(num_drafts: int, parents: list[int] | None) -> int:
@@ -178,13 +195,14 @@ class Speculator:
                 st = self.draft_state(seq)
                 st.method, st.tree_promise = None, 0.0
             return limits
+        load = StepLoad(batch, batch, float(batch))
         for seq in decoding:
-            k = self._limit(seq, batch)
+            k = self._limit(seq, load)
             if k > 0:
                 limits[seq.request_id] = k
         return limits
 
-    def _limit(self, seq: Sequence, batch: int) -> int:
+    def _limit(self, seq: Sequence, load: StepLoad) -> int:
         st = self.draft_state(seq)
         st.method, st.tree_promise = None, 0.0
         if not seq.params.speculative:
@@ -192,10 +210,12 @@ class Speculator:
         room = self._room(seq)
         if room <= 0:
             return 0
-        return self._choose(seq, room, batch)
+        return self._choose(seq, room, load)
 
-    def _choose(self, seq: Sequence, room: int, batch: int) -> int:
-        """The method and draft length ``seq`` would take alone (every other sequence verifying one token)."""
+    def _choose(self, seq: Sequence, room: int, load: StepLoad) -> int:
+        """The method and draft length ``seq`` takes in the step as sized so far (``load``, which the choice
+        joins)."""
+        batch = load.batch
         names = list(self.proposers)
         st = self.draft_state(seq)
         if self.router is not None:
@@ -205,8 +225,9 @@ class Speculator:
                 return 0
             names = self.router.compute_path(seq, st, names, lambda n: self.proposers[n].has_draft(seq))
         # every method must beat plain decoding's rate to be chosen
-        plain = batch / self.cost(batch) if self.cost is not None else 0.0
+        plain = load.tokens / self.cost(load.rows) if self.cost is not None else 0.0
         rates: dict[str, tuple[int, float]] = {}
+        gains: dict[str, float] = {}  # the tokens each candidate's drafts are expected to add
         promised: dict[str, float] = {}  # tree drafters: the accepted nodes their own estimates promise
         for name in names:
             prop = self.proposers[name]
@@ -219,12 +240,14 @@ class Speculator:
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
                 if tree[0] > 0:
                     st.method = name
+                    load.grant(tree[0], tree[1] - 1.0)
                     return tree[0]
                 continue
-            k, rate = self._tree_rate(name, prop, tree, batch) if tree is not None else \
-                self._chain_rate(seq, name, prop, room, batch)
+            k, rate, gain = self._tree_rate(name, prop, tree, load) if tree is not None else \
+                self._chain_rate(seq, name, prop, room, load)
             if k > 0 and rate > plain:
                 rates[name] = (k, rate)
+                gains[name] = gain
                 st.idle.pop(name, None)
                 if tree is not None:
                     promised[name] = tree[1] - 1.0
@@ -241,6 +264,8 @@ class Speculator:
                 self.router.depart(seq, st, note)
         st.method = best
         st.tree_promise = promised.get(best, 0.0) if best is not None else 0.0
+        if best is not None and best_k > 0:
+            load.grant(best_k, gains.get(best, 0.0))
         return best_k
 
     @staticmethod
@@ -269,23 +294,30 @@ class Speculator:
         idle.pause = min(MAX_IDLE_STEPS, max(1, 2 * idle.pause))
         idle.skip, idle.batch = idle.pause, batch
 
-    def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float], batch: int) -> tuple[int, float]:
-        """A tree drafter's own size (Proposer.tree_budget) and the tokens per second it promises, its own estimate
-        of the accepted nodes scaled by what its trees have delivered against such estimates (TreeRealism)."""
+    def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float],
+                   load: StepLoad) -> tuple[int, float, float]:
+        """A tree drafter's own size (Proposer.tree_budget), the step's tokens per second with it and the tokens
+        it adds: its own estimate of the accepted nodes scaled by what its trees have delivered against such
+        estimates (TreeRealism)."""
         k, exp_tokens = tree
         if k <= 0 or self.cost is None:
-            return k, exp_tokens
-        t = self.cost(batch + k) + prop.step_cost(batch, k) + self.overhead(name, prop, batch)
-        return k, (batch + (exp_tokens - 1.0) * self.realism.ratio(name)) / t
+            return k, exp_tokens, 0.0
+        gain = (exp_tokens - 1.0) * self.realism.ratio(name)
+        t = self.cost(load.rows + k) + prop.step_cost(load.batch, k) + self.overhead(name, prop, load.batch)
+        return k, (load.tokens + gain) / t, gain
 
-    def _chain_rate(self, seq: Sequence, name: str, prop: Proposer, room: int, batch: int) -> tuple[int, float]:
-        """A chain drafter's dynamic γ for ``seq``, cut to what pays under the cost model, and its rate."""
+    def _chain_rate(self, seq: Sequence, name: str, prop: Proposer, room: int,
+                    load: StepLoad) -> tuple[int, float, float]:
+        """A chain drafter's dynamic γ for ``seq``, cut to what pays under the cost model in the step as sized so
+        far, the step's rate with it and the tokens it adds."""
         st = self.state(seq, name)
         k = min(st.gamma, room)
         if self.cost is None:
-            return k, float(k)
+            return k, float(k), 0.0
+        batch = load.batch
         over = self.overhead(name, prop, batch)
-        k = self.cost.best_gamma(st.acceptance_ema, k, batch, batch, lambda g: prop.step_cost(batch, g) + over)
+        k = self.cost.best_gamma(st.acceptance_ema, k, load.rows, load.tokens,
+                                 lambda g: prop.step_cost(batch, g) + over)
         if k == 0:
             # drift back toward the prior while not drafting, so a sequence whose text turns repetitive (or
             # copies from its input) gets to try again; and let the measured unmodelled drafting time fade, so
@@ -294,9 +326,10 @@ class Speculator:
             st.acceptance_ema += 0.05 * (self.start_acceptance(seq, name) - st.acceptance_ema)
             if name in self.propose_s:
                 self.propose_s[name] *= 1.0 - UNMODELLED_FADE
-            return 0, 0.0
-        t = self.cost(batch + k) + prop.step_cost(batch, k) + over
-        return k, (batch - 1 + expected_tokens(st.acceptance_ema, k)) / t
+            return 0, 0.0, 0.0
+        t = self.cost(load.rows + k) + prop.step_cost(batch, k) + over
+        gain = expected_tokens(st.acceptance_ema, k) - 1.0
+        return k, (load.tokens + gain) / t, gain
 
     def overhead(self, name: str, prop: Proposer, batch: int) -> float:
         """Measured seconds a drafting sequence adds to a step beyond the target forward and the drafter's modelled
