@@ -276,7 +276,9 @@ def test_a_drafter_with_nothing_to_draft_pauses_in_a_batch_and_never_at_batch_on
 def test_tree_realism_scales_promises_by_what_trees_delivered_and_fades_back() -> None:
     r = TreeRealism()
     assert r.ratio("suffix") == 1.0  # no history: the drafter's own estimate stands
-    for _ in range(20):
+    r.record("suffix", 3.0, 0)
+    assert r.ratio("suffix") > 0.65  # one failed tree moves it little (the prior)
+    for _ in range(60):
         r.record("suffix", 1.0, 0)  # promised one accepted node, got none
     low = r.ratio("suffix")
     assert low < 0.15

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from leapdecode import LLM, SamplingParams
+from leapdecode.engine.sequence import Sequence
 from leapdecode.kernels import extension
 from leapdecode.speculative.methods.suffix import (
     GlobalSuffixCache,
@@ -18,6 +19,7 @@ from leapdecode.speculative.methods.suffix import (
     SuffixProposer,
     SuffixTrie,
 )
+from leapdecode.speculative.policy import StepCostModel
 from leapdecode.speculative.registry import parse_config
 from leapdecode.speculative.tree import depths_of
 
@@ -211,3 +213,17 @@ def test_auto_on_a_model_without_artefacts_chooses_among_the_training_free_draft
     want = _ids(plain.generate(SPEC_PROMPTS, params, use_tqdm=False))
     assert _ids(spec.generate(SPEC_PROMPTS * 2, params, use_tqdm=False)) == want * 2
     assert_no_leaks(spec)
+
+
+def test_suffix_calibration_drifts_back_while_no_tree_is_sized():
+    """A few failed trees shrink suffix's own calibration; while it then sizes no tree (rows too dear for its
+    shrunk estimate) the calibration drifts back, so the drafter is not locked out for the engine's life."""
+    prop = SuffixProposer(SuffixOptions(global_tree=False))
+    seq = Sequence("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=8))
+    for _ in range(30):
+        prop.calib.record(prop.name, 3.0, 0)
+    low = prop.calibration()
+    steep = StepCostModel([(1, 1.0), (33, 33.0)])  # every row a whole step: nothing is worth drafting
+    for _ in range(200):
+        assert prop.tree_budget(seq, 8, steep, 1)[0] == 0
+    assert low < prop.calibration() < 1.0

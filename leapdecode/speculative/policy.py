@@ -69,7 +69,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 
 TREE_REALISM_DECAY = 0.98  # per verified tree: the weight the older accepted / promised history keeps
-TREE_REALISM_PRIOR = 2.0  # a new tree drafter starts as if it had delivered this many promised nodes in full
+TREE_REALISM_PRIOR = 8.0  # a new tree drafter starts as if it had delivered this many promised nodes in full
 TREE_REALISM_FADE = 0.0003  # per sequence and step a tree drafter declines: its realism drifts back toward 1
 TREE_REALISM_MAX = 2.0  # a drafter that keeps under-promising gets at most twice its own estimate
 

@@ -38,6 +38,7 @@ from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.layer_ops import record_successors
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.options import check, is_int
+from leapdecode.speculative.policy import TreeRealism
 from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification
 
 RecyclingTree = Literal["static", "dynamic"]
@@ -277,8 +278,9 @@ class RecyclingProposer(Proposer):
         self._paths, self._scores = self.stats.template(MAX_NODES)
         self._best: dict[int, int] = {}
         self._since_resize = 0
-        # dynamic trees: accepted nodes over the recorded probabilities' sum, over recent verifications
-        self._accepted_sum, self._predicted_sum = 1.0, 1.0
+        # dynamic trees: accepted nodes over the recorded probabilities' sum, over recent verifications (drifts
+        # back while no tree is sized, so a few early failed trees cannot keep it out for good)
+        self.calib = TreeRealism()
         self.num_released = 0
 
     @classmethod
@@ -300,9 +302,7 @@ class RecyclingProposer(Proposer):
         if self.tree == "static":
             self.stats.record(drafted.paths, accepted)
         else:
-            decay = 0.98
-            self._accepted_sum = decay * self._accepted_sum + len(accepted)
-            self._predicted_sum = decay * self._predicted_sum + sum(drafted.scores)
+            self.calib.record(self.name, sum(drafted.scores), len(accepted))
         self._since_resize += 1
         if self._since_resize >= RESIZE_EVERY:
             self._since_resize = 0
@@ -326,7 +326,7 @@ class RecyclingProposer(Proposer):
         return self.matrix.has(seq.token_ids[-1])
 
     def calibration(self) -> float:
-        return min(1.0, self._accepted_sum / max(self._predicted_sum, 1e-9))
+        return min(1.0, self.calib.ratio(self.name))
 
     def _dynamic(self, seq: Sequence) -> list[Node]:
         grown = self._grown.get(seq.request_id)
@@ -360,6 +360,8 @@ class RecyclingProposer(Proposer):
             n = self._best[batch]
         else:
             n = best_size(curve, cost, batch, MAX_NODES)
+            if n == 0 and len(curve) > 1:
+                self.calib.fade(self.name)
         n = max(0, min(n, room, len(curve) - 1))
         return n, curve[n]
 

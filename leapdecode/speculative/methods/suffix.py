@@ -40,6 +40,7 @@ from leapdecode.kernels import extension
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.recycling import Node, best_size
 from leapdecode.speculative.options import check, is_int, is_prob
+from leapdecode.speculative.policy import TreeRealism
 from leapdecode.speculative.proposer import Proposal, Proposer, StepCost, Verification
 
 NODE_BYTES = 260  # Python bytes per trie node, measured with tracemalloc (object, child dict, parent entry)
@@ -337,8 +338,9 @@ class SuffixProposer(Proposer):
         self.cache = GlobalSuffixCache(opts.max_depth, opts.global_cache_mb, opts.suffix_cache_path) \
             if opts.global_tree or opts.suffix_cache_path is not None else None
         self._requests: dict[str, RequestIndex] = {}
-        # accepted nodes over the path probabilities' sum, over recent verifications (calibrates expectations)
-        self._accepted_sum, self._predicted_sum = 1.0, 1.0
+        # accepted nodes over the path probabilities' sum, over recent verifications (calibrates expectations; it
+        # drifts back while no tree is sized, so a few early failed trees cannot keep suffix out for good)
+        self.calib = TreeRealism()
         self.num_released = 0
 
     @classmethod
@@ -386,7 +388,7 @@ class SuffixProposer(Proposer):
         return bool(self.grow(seq))
 
     def calibration(self) -> float:
-        return min(1.0, self._accepted_sum / max(self._predicted_sum, 1e-9))
+        return min(1.0, self.calib.ratio(self.name))
 
     def tree_budget(self, seq: Sequence, room: int, cost: StepCost | None, batch: int) -> tuple[int, float]:
         nodes = self.grow(seq)
@@ -401,6 +403,8 @@ class SuffixProposer(Proposer):
         else:
             k = best_size(curve, cost, batch, MAX_NODES)
         k = max(0, min(k, room, len(nodes)))
+        if k == 0 and nodes:
+            self.calib.fade(self.name)
         return k, curve[k]
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
@@ -419,9 +423,7 @@ class SuffixProposer(Proposer):
         idx = self._requests.get(seq.request_id)
         if idx is None or not idx.drafted:
             return
-        decay = 0.98
-        self._accepted_sum = decay * self._accepted_sum + result.num_accepted
-        self._predicted_sum = decay * self._predicted_sum + sum(n.score for n in idx.drafted)
+        self.calib.record(self.name, sum(n.score for n in idx.drafted), result.num_accepted)
         if idx.drafted_from is not None and result.accepted and self.cache is not None \
                 and result.accepted[-1] < len(idx.drafted_from):
             self.cache.touch(idx.drafted_from[result.accepted[-1]])  # the text that drafted it stays longer
