@@ -192,8 +192,7 @@ class Speculator:
             # top-k of 16 rows took ~4-8 ms of a 37 ms step)
             self.learn_rows = LEARN_ROWS_WITHOUT_HEADROOM
             for seq in decoding:
-                st = self.draft_state(seq)
-                st.method, st.tree_promise = None, 0.0
+                self.draft_state(seq).begin_step()
             return limits
         load = StepLoad(batch, batch, float(batch))
         for seq in decoding:
@@ -203,8 +202,7 @@ class Speculator:
         return limits
 
     def _limit(self, seq: Sequence, load: StepLoad) -> int:
-        st = self.draft_state(seq)
-        st.method, st.tree_promise = None, 0.0
+        self.draft_state(seq).begin_step()
         if not seq.params.speculative:
             return 0
         room = self._room(seq)

@@ -90,5 +90,9 @@ class DraftState:
     idle: dict[str, IdleState] = field(default_factory=dict)  # per drafter: its pause in a batch (IdleState)
     tree_promise: float = 0.0  # the accepted nodes this step's tree drafter promised by its own estimate
 
+    def begin_step(self) -> None:
+        """Nothing chosen yet for this step: no drafter, no promise."""
+        self.method, self.tree_promise = None, 0.0
+
 
 __all__ = ["PRIOR_ACCEPTANCE", "DifficultyState", "DomainState", "DraftState", "GammaState", "IdleState", "Route"]
