@@ -16,6 +16,7 @@ import pytest
 
 from leapdecode import LLM
 from leapdecode.engine.executor import WorkerDiedError
+from leapdecode.sampling_params import StructuredOutputsParams
 from leapdecode.server.api_server import build_app
 from leapdecode.server.async_engine import FAILING_STEPS
 from leapdecode.server.defaults import DEFAULT_MAX_REQUEST_BYTES
@@ -306,10 +307,13 @@ def test_a_poisoned_request_fails_alone_beside_streams_in_flight(
     backend = eng.structured_backend()
     real, in_flight = backend.matcher, []
     poison = {"regex": "[a-z ]+"}
+    # compiled before the streams start, and failing on its second token: a cold compile or five more steps
+    # let the 24-token streams finish first on a slow machine, and then nothing was in flight beside it
+    backend.compile(StructuredOutputsParams(**poison))
 
     def matcher(params: Any, compiled: Any = None) -> Any:
         m = real(params, compiled)
-        return Exploding(m, "accept", 6, lambda: in_flight.append(len(eng.requests))) if params.regex else m
+        return Exploding(m, "accept", 2, lambda: in_flight.append(len(eng.requests))) if params.regex else m
 
     monkeypatch.setattr(backend, "matcher", matcher)
 
