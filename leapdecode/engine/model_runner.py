@@ -62,26 +62,29 @@ class ModelRunner:
 
     def prepare(self, items: list[ForwardItem]):
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_parts: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         seqs: list[SeqAttention] = []
         rows: list[int] = []
+        bs = self.block_size
         for it in items:
             q_start, q_len = len(ids), len(it.tokens)
             ids += it.tokens
+            table = it.block_table
+            # the new tokens' cache slots, and their positions in the text (a tree's nodes sit at their depth)
+            slots += [table[p // bs] * bs + p % bs for p in range(it.start, it.start + q_len)]
             if it.depths is None:
-                positions.append(torch.arange(it.start, it.start + q_len))
+                positions += range(it.start, it.start + q_len)
+                row_pos = None
             else:
-                positions.append(it.start + torch.tensor(it.depths, dtype=torch.long))
-            sa = SeqAttention(q_start, q_len, it.start + q_len, it.block_table, self.block_size, it.tree_mask,
-                              None if it.depths is None else positions[-1])
-            slot_parts.append(sa.slots()[it.start :])
-            seqs.append(sa)
+                positions += [it.start + d for d in it.depths]
+                row_pos = it.start + torch.tensor(it.depths, dtype=torch.long)
+            seqs.append(SeqAttention(q_start, q_len, it.start + q_len, table, bs, it.tree_mask, row_pos))
             rows += [q_start + r for r in it.logit_rows]
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.cat(positions).to(dev)
-        slot_mapping = torch.cat(slot_parts).to(dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         # int8 activations: prompts through the rows kernel too, or a prefix-cache hit would change the output
         small_query = None if getattr(self.model, "int8_activations", False) else SMALL_QUERY
         meta = build_attention_metadata(seqs, slot_mapping, self.group_size, dev, small_query,

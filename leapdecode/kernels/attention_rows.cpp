@@ -354,7 +354,7 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
   const int64_t num_tasks = int64_t(tasks.row.size());
   const int64_t work = pairs * H;  // score count: one thread unless waking a second one pays
-  at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tasks, work >= 2048 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
@@ -544,7 +544,7 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const at::Half* vs = v_scale.data_ptr<at::Half>();
   const int64_t num_tasks = int64_t(tasks.row.size()), work = pairs * H;
   const ChunkI8Fn fused = chunk_i8_for(D, G);  // the common shapes read the int8 rows in registers
-  at::parallel_for(0, num_tasks, work >= 16384 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tasks, work >= 2048 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];

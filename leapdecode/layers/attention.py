@@ -106,6 +106,18 @@ class AttentionGroup:
     fold: bool = False  # fold GQA query groups into the query axis
     split: split_kv.SplitPlan | None = None  # long context, few rows: attend chunk by chunk (split_kv.py)
     seqs: list[SeqAttention] | None = None  # few-row groups: their sequences (for the C++ rows kernel)
+    # a padded group's q_rows, q_valid, kv_slots and mask wait for :meth:`fill` (device, GQA group size): a CPU
+    # step whose rows all go through the C++ rows kernel never reads them, and building them cost ~1 ms of a
+    # 16-sequence decode step
+    _unfilled: tuple[torch.device, int] | None = field(default=None, repr=False, compare=False)
+
+    def fill(self) -> AttentionGroup:
+        """Build a padded group's row indices, slots and mask if they are not built yet; returns the group."""
+        if self._unfilled is not None:
+            device, group_size = self._unfilled
+            self._unfilled = None
+            _fill_padded(self, device, group_size)
+        return self
 
 
 @dataclass
@@ -149,32 +161,60 @@ class AttentionMetadata:
         it), so a prompt costs O(length) here, not O(length^2); tree rows list their visible slots each. Built
         on first use in a step, then reused by every layer."""
         if self._rows is None:
-            rows, spans, slots = [], [], []
-            base = 0
-            for g in self.groups:
-                if g.seqs is None or g.split is not None:
-                    continue
-                for s in g.seqs:
-                    seq_slots, first = s.kv_slots(), s.first()
-                    rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
-                    if s.tree_mask is None:  # row i sees positions (window start) .. ctx_len - q_len + i
-                        ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1) - first
-                        starts = torch.zeros_like(ends)
-                        if s.window is not None:
-                            starts = (s.row_positions() - s.window + 1 - first).clamp(min=0)
-                        spans.append(torch.stack([starts + base, ends + base], dim=1))
-                        slots.append(seq_slots)
-                        base += len(seq_slots)
-                    else:
-                        vis = _visible(s)  # [q_len, kv_len]: row-major = each row's positions in order
-                        ends = vis.sum(1).cumsum(0) + base
-                        spans.append(torch.stack([torch.cat([ends.new_tensor([base]), ends[:-1]]), ends], dim=1))
-                        slots.append(seq_slots.expand(s.q_len, len(seq_slots))[vis])
-                        base = int(ends[-1])
-            if not rows:
+            seqs = [s for g in self.groups if g.seqs is not None and g.split is None for s in g.seqs]
+            if not seqs:
                 return None
-            self._rows = (torch.cat(rows), torch.cat(spans).contiguous(), torch.cat(slots))
+            if all(s.tree_mask is None and s.window is None for s in seqs):
+                self._rows = _causal_rows(seqs)
+            else:
+                self._rows = _listed_rows(seqs)
         return self._rows
+
+
+def _causal_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernel_rows of causal rows with no window (decode tokens, draft chains, prompts): every sequence's slots
+    0 .. ctx_len - 1 once, and row i of a sequence sees a prefix of them; built from Python ints and one gather of
+    the block tables, not a few tensor calls per sequence (a 16-sequence decode step made ~100 of them)."""
+    rows: list[int] = []
+    spans: list[int] = []
+    blocks: list[int] = []
+    base = 0
+    for s in seqs:
+        n_blocks = -(-s.ctx_len // s.block_size)
+        blocks += s.block_table[:n_blocks]
+        rows += range(s.q_start, s.q_start + s.q_len)
+        for end in range(s.ctx_len - s.q_len + 1, s.ctx_len + 1):
+            spans += (base, base + end)
+        base += n_blocks * s.block_size  # the last block's unused tail is never inside a span
+    bs = seqs[0].block_size
+    if any(s.block_size != bs for s in seqs):
+        raise ValueError("kernel rows of one step need one block size")
+    slots = (torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * bs + torch.arange(bs)).view(-1)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(spans, dtype=torch.long).view(-1, 2), slots
+
+
+def _listed_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernel_rows of any mix of causal, windowed and tree rows: each tree row lists its own visible slots."""
+    rows, spans, slots = [], [], []
+    base = 0
+    for s in seqs:
+        seq_slots, first = s.kv_slots(), s.first()
+        rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
+        if s.tree_mask is None:  # row i sees positions (window start) .. ctx_len - q_len + i
+            ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1) - first
+            starts = torch.zeros_like(ends)
+            if s.window is not None:
+                starts = (s.row_positions() - s.window + 1 - first).clamp(min=0)
+            spans.append(torch.stack([starts + base, ends + base], dim=1))
+            slots.append(seq_slots)
+            base += len(seq_slots)
+        else:
+            vis = _visible(s)  # [q_len, kv_len]: row-major = each row's positions in order
+            ends = vis.sum(1).cumsum(0) + base
+            spans.append(torch.stack([torch.cat([ends.new_tensor([base]), ends[:-1]]), ends], dim=1))
+            slots.append(seq_slots.expand(s.q_len, len(seq_slots))[vis])
+            base = int(ends[-1])
+    return torch.cat(rows), torch.cat(spans).contiguous(), torch.cat(slots)
 
 
 def _visible(seq: SeqAttention) -> torch.Tensor:
@@ -225,6 +265,7 @@ def _plan_groups(seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_siz
         groups[-1].seqs = part
         g = groups[-1]
         if split_kv.use_split(g.fold, g.batch, g.kv_len):  # few rows over a long context (see split_kv.py)
+            g.fill()
             g.split = split_kv.plan_split(g.batch, g.kv_len, g.mask, g.kv_slots, part[0].block_size)
     total = sum(s.q_len for s in seqs)
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=total)
@@ -251,30 +292,29 @@ def _single_group(s: SeqAttention, device: torch.device, fold: bool, group_size:
 
 
 def _padded_group(seqs: list[SeqAttention], device: torch.device, group_size: int) -> AttentionGroup:
-    b = len(seqs)
-    q_len = max(s.q_len for s in seqs)
-    kv_len = max(s.kv_len() for s in seqs)
+    """A padded call over few-row sequences; its tensors are built by :meth:`AttentionGroup.fill` when needed."""
+    return AttentionGroup(batch=len(seqs), q_len=max(s.q_len for s in seqs), kv_len=max(s.kv_len() for s in seqs),
+                          fold=True, seqs=seqs, _unfilled=(device, group_size))
+
+
+def _fill_padded(g: AttentionGroup, device: torch.device, group_size: int) -> None:
+    assert g.seqs is not None
+    b, q_len, kv_len = g.batch, g.q_len, g.kv_len
     q_rows = torch.zeros(b, q_len, dtype=torch.long)
     q_valid = torch.zeros(b, q_len, dtype=torch.bool)
     kv_slots = torch.zeros(b, kv_len, dtype=torch.long)
     mask = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
-    for i, s in enumerate(seqs):
+    for i, s in enumerate(g.seqs):
         q_rows[i, : s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
         q_rows[i, s.q_len :] = s.q_start  # padding re-reads a valid row; its output is dropped
         q_valid[i, : s.q_len] = True
         kv_slots[i, : s.kv_len()] = s.kv_slots()
         mask[i, 0, : s.q_len, : s.kv_len()] = _visible(s)
         mask[i, 0, s.q_len :, 0] = True  # padded rows see one key so softmax stays finite
-    return AttentionGroup(
-        batch=b,
-        q_len=q_len,
-        kv_len=kv_len,
-        q_rows=q_rows.view(-1).to(device),
-        q_valid=q_valid.view(-1).to(device),
-        kv_slots=kv_slots.view(-1).to(device),
-        mask=_fold_mask(mask, group_size).to(device),
-        fold=True,
-    )
+    g.q_rows = q_rows.view(-1).to(device)
+    g.q_valid = q_valid.view(-1).to(device)
+    g.kv_slots = kv_slots.view(-1).to(device)
+    g.mask = _fold_mask(mask, group_size).to(device)
 
 
 def paged_attention(
@@ -341,6 +381,7 @@ def _paged_attention(
     else:
         out = torch.empty_like(q)
     for g in groups:
+        g.fill()
         if g.q_start is not None:
             qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
         else:
