@@ -68,6 +68,13 @@ def format_row(label: str, costs: list[float]) -> str:
     return f"| {label} | " + " | ".join(f"{t * 1e3:.2f} ({t / costs[0]:.2f}x)" for t in costs) + " |"
 
 
+def format_throughput(label: str, rows: list[int], costs: list[float]) -> str:
+    """A batch-shape row as decode throughput: n sequences' tokens per second of their step, and its ratio to the
+    first row count's (the decode-only side of batching: no prefill, scheduling or sampling)."""
+    rates = [n / t for n, t in zip(rows, costs)]
+    return f"| {label} | " + " | ".join(f"{r:.0f} ({r / rates[0]:.2f}x)" for r in rates) + " |"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if not rows or min(rows) < 1 or not set(shapes) <= set(SHAPES) or a.compare not in ("", "llama.cpp"):
         p.error("--rows: positive integers; --shapes: tree, batch; --compare: llama.cpp")
-    lines = []
+    lines, rates = [], []
     path = None
     for kernel in (k for k in a.linear_kernels.split(",") if k):
         llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
@@ -91,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
             print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
         for shape in shapes:
-            lines.append(format_row(f"leapdecode {kernel}, {shape}", step_costs(llm, rows, a.context, shape,
-                                                                                a.repeats)))
+            costs = step_costs(llm, rows, a.context, shape, a.repeats)
+            lines.append(format_row(f"leapdecode {kernel}, {shape}", costs))
             print(lines[-1], flush=True)
+            if shape == "batch":
+                rates.append(format_throughput(f"leapdecode {kernel}", rows, costs))
         del llm
     if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
         costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")
@@ -103,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| system, kernel, shape | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     print("\n".join(lines))
+    if rates:
+        print("\nDecode throughput of the batch shape: tokens/s of n sequences' step (x the first row count)\n")
+        print("| kernel | " + " | ".join(f"batch {r}" for r in rows) + " |")
+        print("|---|" + "---|" * len(rows))
+        print("\n".join(rates))
     return 0
 
 
