@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from leapdecode import huge_pages
+
 from leapdecode.layers.kv_quant import (
     SCALE_DTYPE,
     KVPlane,
@@ -105,9 +107,10 @@ class KVCache:
         if host_layers:
             self.host_pool = torch.zeros(host_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype,
                                          pin_memory=device.type == "cuda")  # fmt: skip
-        self.pool = torch.zeros(
-            self.device_layers, 2, slots, self.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
-        )
+        pool_shape = (self.device_layers, 2, slots, self.num_kv_heads, cfg.head_dim)
+        # on a CPU, on 2 MB pages: a batched step reads every sequence's K/V from its own blocks
+        self.pool = (huge_pages.zeros(pool_shape, dtype) if device.type == "cpu"
+                     else torch.zeros(pool_shape, dtype=dtype, device=device))
         self.scales: torch.Tensor | None = None
         self.rotation: torch.Tensor | None = None
         self.key_shift: torch.Tensor | None = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from leapdecode import parallel, threads
+from leapdecode import huge_pages, parallel, threads
 from leapdecode.config import EngineConfig, SpeculativeConfig
 from leapdecode.engine import cuda_graphs, gpu_memory
 from leapdecode.engine.block_manager import BlockManager
@@ -181,15 +181,17 @@ class LLMEngine:
             if kernel.startswith("packed") and linear_kernel is not None:
                 raise ValueError(f"linear_kernel={kernel!r} is for CPU float32 models")
             return 0
-        if quantize_q8:
-            n = kernel_plan.use_int8_drafting(model)
-            if n:
-                return n
-            # no fast int8 kernel on this CPU (0 layers packed): float32 panels, as draft_precision "float32"
-        return kernel_plan.use_kernels(
-            model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
-            int8_activations=kernel == "packed-int8act",
-        )
+        n = kernel_plan.use_int8_drafting(model) if quantize_q8 else 0
+        # (0 layers packed for Q8_0: no fast int8 kernel on this CPU, so float32 panels, as draft_precision
+        # "float32")
+        if not n:
+            n = kernel_plan.use_kernels(
+                model, required=kernel.startswith("packed"), use_blocks=kernel != "packed-float32",
+                int8_activations=kernel == "packed-int8act",
+            )
+        if n:  # what every step streams, on 2 MB pages (huge_pages.py)
+            huge_pages.gather(huge_pages.module_tensors(model))
+        return n
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
