@@ -82,7 +82,20 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     tps = [len(o.outputs[0].token_ids) / w for o, w in zip(outs, wall)]
     tpot = [(w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
             for o, w in zip(outs, wall) if len(o.outputs[0].token_ids) > 1]
-    return _row(label, 1, outs, median(tps), median(tpot))
+    row = _row(label, 1, outs, median(tps), median(tpot))
+    row.request_tok_per_s = tps
+    return row
+
+
+def paired_speedup(row: Row, base: Row) -> float:
+    """``row``'s speed over ``base``'s: at batch 1 the median over prompts of the two runs' tok/s on the same
+    prompt (interleaved, so both met the same spell of a shared machine, and a prompt's length weighs on both),
+    elsewhere the ratio of their tok/s. The ratio of two medians over requests mixed prompts of different lengths:
+    a method that drafted nothing measured 0.94-1.06x of plain decoding from one run to the next."""
+    a, b = row.request_tok_per_s, base.request_tok_per_s
+    if row.batch == base.batch == 1 and a and len(a) == len(b):
+        return median(x / y for x, y in zip(a, b))
+    return row.tok_per_s / base.tok_per_s
 
 
 def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
@@ -328,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in rows:
         base_row = ref.get(r.batch) if r.system == "leapdecode" else ref.get(1)
         if base_row is not None:
-            r.speedup = r.tok_per_s / base_row.tok_per_s
+            r.speedup = paired_speedup(r, base_row)
             cmp = plain.get((r.kernel, r.batch), base_row) if r.system == "leapdecode" else ref[1]
             if cmp is r:  # a `none` row: the first kernel's is the reference, a further kernel's is compared to it
                 cmp = base_row if r.kernel else None
@@ -361,7 +374,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "alike; external systems run after them). Batched rows are total output tokens / wall time with all "
         f"requests submitted at once (median of {BATCHED_ROUNDS} rounds, engines in rotating order). "
         "speedup is against leapdecode `none` at the "
-        "same batch size (external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
+        "same batch size (at batch 1 the median over prompts of the two rows' tok/s on the same prompt; external "
+        "systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
         "time per target step. Rows labelled [kernel] ran with that linear_kernel; their `identical` column compares "
         "with `none` under the same kernel (their speedup is still against the first `none`), and `none [kernel]`'s "
         "own column compares it with the first `none`.",
