@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,18 @@ def test_throughput_is_sequences_per_step_time() -> None:
     assert row == "| k | 100 (1.00x) | 200 (2.00x) | 200 (2.00x) |"
 
 
-def test_step_rows_times_both_shapes_and_prints_throughput(tiny_model_dir: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_step_rows_times_both_shapes_and_writes_tables_json_and_plot(tiny_model_dir: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out_base = str(tmp_path / "rows")
     assert step_rows.main(["--model", str(tiny_model_dir), "--linear-kernels", "auto", "--rows", "1,3",
-                           "--context", "20", "--repeats", "1"]) == 0
+                           "--context", "20", "--repeats", "1", "--out", out_base]) == 0
     out = capsys.readouterr().out
     assert "| leapdecode auto, tree | " in out and "| leapdecode auto, batch | " in out
     table = out[out.index("Decode throughput"):]
     assert "| kernel | batch 1 | batch 3 |" in table and "| leapdecode auto | " in table and "(1.00x)" in table
+    run = json.loads(Path(out_base + ".json").read_text())
+    assert run["rows"] == [1, 3] and run["context"] == 20 and "torch" in run["cpu"]
+    assert set(run["seconds"]) == {"leapdecode auto, tree", "leapdecode auto, batch"}
+    assert all(len(v) == 2 and min(v) > 0 for v in run["seconds"].values())
+    assert "Decode throughput" in Path(out_base + ".md").read_text()
+    assert Path(out_base + ".png").read_bytes()[:4] == b"\x89PNG"

@@ -9,25 +9,32 @@ speculative cost model times its steps):
 
 Each cell is the median of ``--repeats`` timings in milliseconds and its ratio to the one-row step. With
 ``--compare llama.cpp`` llama.cpp's time to evaluate n tokens after the same context (its verification curve, in a
-child process) is added, so the ratios sit side by side in one run.
+child process) is added, so the ratios sit side by side in one run. The batch shape is also printed as decode
+throughput (n sequences' tokens per second of their step). ``--out OUT`` writes the tables to OUT.md, the timings
+to OUT.json and the curves to OUT.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
 from leapdecode.bench.external import llamacpp_step_costs, run_isolated
+from leapdecode.bench.hardware import machine_info
+from leapdecode.eval.plotting import pyplot
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.layers import int8_gemm
 from leapdecode.llm import LLM
 from leapdecode.threads import THREADS_HELP, available_cpus
 
 SHAPES = ("tree", "batch")
+LLAMACPP = "llama.cpp (n tokens of one sequence)"
 
 
 def step_costs(llm: LLM, rows: list[int], context: int, shape: str, repeats: int) -> list[float]:
@@ -75,6 +82,62 @@ def format_throughput(label: str, rows: list[int], costs: list[float]) -> str:
     return f"| {label} | " + " | ".join(f"{r:.0f} ({r / rates[0]:.2f}x)" for r in rates) + " |"
 
 
+def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[str | None, dict[str, list[float]]]:
+    """The model's path and, per series (system, kernel, shape), the median seconds of each row count's step."""
+    series: dict[str, list[float]] = {}
+    path = None
+    for kernel in (k for k in a.linear_kernels.split(",") if k):
+        llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
+        path = str(llm.engine.model_path)
+        if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
+            print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
+        for shape in shapes:
+            label = f"leapdecode {kernel}, {shape}"
+            series[label] = step_costs(llm, rows, a.context, shape, a.repeats)
+            print(format_row(label, series[label]), flush=True)
+        del llm
+    if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
+        costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")
+        if costs:
+            series[LLAMACPP] = costs
+    return path, series
+
+
+def tables(path: str | None, rows: list[int], series: dict[str, list[float]], context: int) -> str:
+    """The step-cost table (ms, x one row) and, for the batch shape, the decode-throughput table."""
+    out = [f"{path}: {torch.get_num_threads()} threads, {context} cached tokens; median ms per step (x one row)", "",
+           "| system, kernel, shape | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+    out += [format_row(label, costs) for label, costs in series.items()]
+    batch = {label.removesuffix(", batch"): c for label, c in series.items() if label.endswith(", batch")}
+    if batch:
+        out += ["", "Decode throughput of the batch shape: tokens/s of n sequences' step (x the first row count)", "",
+                "| kernel | " + " | ".join(f"batch {r}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+        out += [format_throughput(label, rows, costs) for label, costs in batch.items()]
+    return "\n".join(out)
+
+
+def write_plot(png: Path, title: str, rows: list[int], series: dict[str, list[float]]) -> None:
+    """ms per step and its ratio to one row, by rows (log scale), one line per series."""
+    plt = pyplot()
+    fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for label, costs in series.items():
+        style = "--" if label == LLAMACPP else ":" if label.endswith("batch") else "-"
+        ax_ms.plot(rows, [c * 1e3 for c in costs], style, marker="o", label=label)
+        ax_x.plot(rows, [c / costs[0] for c in costs], style, marker="o", label=label)
+    for ax, ylabel in ((ax_ms, "ms per step"), (ax_x, "x one row")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(rows, [str(r) for r in rows])
+        ax.set_xlabel("rows in the step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax_x.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
@@ -85,38 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--compare", default="", help="llama.cpp: its time to evaluate n tokens after the context")
+    p.add_argument("--out", default=None, help="also write OUT.md (the tables), OUT.json and OUT.png (the curves)")
     a = p.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",") if r]
     shapes = [s for s in a.shapes.split(",") if s]
     if not rows or min(rows) < 1 or not set(shapes) <= set(SHAPES) or a.compare not in ("", "llama.cpp"):
         p.error("--rows: positive integers; --shapes: tree, batch; --compare: llama.cpp")
-    lines, rates = [], []
-    path = None
-    for kernel in (k for k in a.linear_kernels.split(",") if k):
-        llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
-        path = str(llm.engine.model_path)
-        if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
-            print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
-        for shape in shapes:
-            costs = step_costs(llm, rows, a.context, shape, a.repeats)
-            lines.append(format_row(f"leapdecode {kernel}, {shape}", costs))
-            print(lines[-1], flush=True)
-            if shape == "batch":
-                rates.append(format_throughput(f"leapdecode {kernel}", rows, costs))
-        del llm
-    if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
-        costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")
-        if costs:
-            lines.append(format_row("llama.cpp (n tokens of one sequence)", costs))
-    print(f"\n{path}: {torch.get_num_threads()} threads, {a.context} cached tokens; median ms per step (x one row)\n")
-    print("| system, kernel, shape | " + " | ".join(f"{r} rows" for r in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    print("\n".join(lines))
-    if rates:
-        print("\nDecode throughput of the batch shape: tokens/s of n sequences' step (x the first row count)\n")
-        print("| kernel | " + " | ".join(f"batch {r}" for r in rows) + " |")
-        print("|---|" + "---|" * len(rows))
-        print("\n".join(rates))
+    if a.out:
+        pyplot()  # a missing matplotlib fails before the timings, not after them
+    path, series = measure(a, rows, shapes)
+    text = tables(path, rows, series, a.context)
+    print("\n" + text)
+    if a.out:
+        cpu = machine_info()
+        Path(a.out + ".md").write_text(f"CPU: {cpu}\n\n{text}\n")
+        Path(a.out + ".json").write_text(json.dumps({
+            "model": path, "cpu": cpu, "threads": torch.get_num_threads(), "context": a.context, "rows": rows,
+            "repeats": a.repeats, "seconds": series}, indent=1))
+        name = Path(path).name if path else "model"
+        write_plot(Path(a.out + ".png"), f"step cost by rows: {name}, {a.context} cached tokens\n{cpu}", rows, series)
     return 0
 
 
