@@ -283,6 +283,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # caches, first-touch page faults of the KV pool or the allocator's growth
     bw = measure_bandwidth_gbps(eng.device)
     base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
+    eng.block_manager.reset_prefix_cache()  # the first prompt's prefill is measured cold, as on every other engine
     wbytes = weight_bytes_per_step(eng.model)
     header = [
         f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
@@ -308,6 +309,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                       num_threads=args.threads)
         if kbase is not base:
             kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
+            kbase.engine.block_manager.reset_prefix_cache()
         tag = "" if kernel == kernels[0] else kernel
         kernel_llms[tag] = kbase
         for m in methods:
