@@ -138,19 +138,23 @@ def test_ceiling_is_acceptance_over_the_targets_step_cost_at_the_verified_rows()
     assert "| verified rows | ceiling (free drafting) |" in table and "| 4.00 | 1.43 |" in table
 
 
-def test_batch1_speedup_pairs_requests_on_the_same_prompt():
-    """A batch-1 row's speedup is the median of its per-prompt tok/s ratios to `none` on the same prompts: two
-    runs of equal speed on prompts of different lengths are 1.00x, whatever their own medians say."""
+def test_speedup_pairs_requests_on_the_same_prompt_and_rounds():
+    """A batch-1 row's speedup is the median of its per-prompt tok/s ratios to `none` on the same prompts (two runs
+    of equal speed on prompts of different lengths are 1.00x, whatever their own medians say); a batched row's,
+    the median of its per-round ratios."""
     from leapdecode.bench.benchmark import paired_speedup
     from leapdecode.bench.rows import Row
 
-    base = Row("leapdecode", "none", 1, 3, 30, 100.0, 1.0, 1.0, request_tok_per_s=[50.0, 100.0, 150.0])
-    same = Row("leapdecode", "medusa", 1, 3, 30, 60.0, 1.0, 1.0, request_tok_per_s=[50.0, 60.0, 150.0])
+    base = Row("leapdecode", "none", 1, 3, 30, 100.0, 1.0, 1.0, paired_tok_per_s=[50.0, 100.0, 150.0])
+    same = Row("leapdecode", "medusa", 1, 3, 30, 60.0, 1.0, 1.0, paired_tok_per_s=[50.0, 60.0, 150.0])
     assert paired_speedup(same, base) == pytest.approx(1.0)  # the ratio of medians would say 0.60x
-    fast = Row("leapdecode", "ngram", 1, 3, 30, 0.0, 1.0, 1.0, request_tok_per_s=[60.0, 130.0, 165.0])
+    fast = Row("leapdecode", "ngram", 1, 3, 30, 0.0, 1.0, 1.0, paired_tok_per_s=[60.0, 130.0, 165.0])
     assert paired_speedup(fast, base) == pytest.approx(1.2)
-    batched = Row("leapdecode", "ngram", 3, 3, 30, 240.0, 1.0, 1.0)
-    assert paired_speedup(batched, Row("leapdecode", "none", 3, 3, 30, 200.0, 1.0, 1.0)) == pytest.approx(1.2)
+    rounds = Row("leapdecode", "ngram", 3, 3, 30, 240.0, 1.0, 1.0, paired_tok_per_s=[240.0, 200.0, 260.0])
+    plain = Row("leapdecode", "none", 3, 3, 30, 240.0, 1.0, 1.0, paired_tok_per_s=[250.0, 190.0, 240.0])
+    assert paired_speedup(rounds, plain) == pytest.approx(200 / 190)  # rounds paired: 0.96x, 1.05x, 1.08x
+    external = Row("llama.cpp", "", 1, 3, 30, 50.0, 1.0, 1.0)
+    assert paired_speedup(external, base) == pytest.approx(0.5)  # nothing to pair: the ratio of tok/s
 
 
 def test_bench_ceiling_times_the_target_and_reports_it(tiny_model_dir, tmp_path):

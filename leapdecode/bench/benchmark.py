@@ -66,6 +66,8 @@ def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int
     for (label, _), o, w, b in zip(engines, outs, wall, brows):
         row = _batch1_row(label, o, w)
         brow = sorted(b, key=lambda x: x.tok_per_s)[len(b) // 2] if b else None  # the median round
+        if brow is not None:
+            brow.paired_tok_per_s = [x.tok_per_s for x in b]  # in round order
         print(f"  {label}: {row.tok_per_s:.1f} tok/s at batch 1" + (
             f", {brow.tok_per_s:.1f} tok/s at batch {brow.batch}" if brow else ""), file=sys.stderr, flush=True)
         result.append((row, brow))
@@ -83,17 +85,18 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     tpot = [(w - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
             for o, w in zip(outs, wall) if len(o.outputs[0].token_ids) > 1]
     row = _row(label, 1, outs, median(tps), median(tpot))
-    row.request_tok_per_s = tps
+    row.paired_tok_per_s = tps
     return row
 
 
 def paired_speedup(row: Row, base: Row) -> float:
-    """``row``'s speed over ``base``'s: at batch 1 the median over prompts of the two runs' tok/s on the same
-    prompt (interleaved, so both met the same spell of a shared machine, and a prompt's length weighs on both),
-    elsewhere the ratio of their tok/s. The ratio of two medians over requests mixed prompts of different lengths:
-    a method that drafted nothing measured 0.94-1.06x of plain decoding from one run to the next."""
-    a, b = row.request_tok_per_s, base.request_tok_per_s
-    if row.batch == base.batch == 1 and a and len(a) == len(b):
+    """``row``'s speed over ``base``'s, the median of their paired tok/s (``Row.paired_tok_per_s``): at batch 1 on
+    the same prompt, batched in the same round, each pair run back to back so both met the same spell of a shared
+    machine; the ratio of their tok/s where nothing pairs (external systems). The ratio of two medians mixed
+    prompts of different lengths and rounds of different spells: a method that drafted nothing measured 0.94-1.06x
+    of plain decoding at batch 1 and 1.08x at batch 16 from one run to the next."""
+    a, b = row.paired_tok_per_s, base.paired_tok_per_s
+    if row.batch == base.batch and a and len(a) == len(b):
         return median(x / y for x, y in zip(a, b))
     return row.tok_per_s / base.tok_per_s
 
@@ -376,8 +379,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "alike; external systems run after them). Batched rows are total output tokens / wall time with all "
         f"requests submitted at once (median of {BATCHED_ROUNDS} rounds, engines in rotating order). "
         "speedup is against leapdecode `none` at the "
-        "same batch size (at batch 1 the median over prompts of the two rows' tok/s on the same prompt; external "
-        "systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
+        "same batch size (the median of the two rows' tok/s ratios on the same prompt at batch 1, in the same round "
+        "batched; external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
         "time per target step. Rows labelled [kernel] ran with that linear_kernel; their `identical` column compares "
         "with `none` under the same kernel (their speedup is still against the first `none`), and `none [kernel]`'s "
         "own column compares it with the first `none`.",

@@ -34,8 +34,9 @@ class Row:
     verified_rows: float | None = None
     ceiling: float | None = None
     num_draft_tokens: int = 0
-    # batch 1: each request's tokens / e2e, in prompt order (the speedup pairs them with `none`'s on the same prompt)
-    request_tok_per_s: list[float] = field(default_factory=list, repr=False)
+    # what the speedup pairs with `none`'s: at batch 1 each request's tokens / e2e in prompt order, batched each
+    # round's tok/s in round order (the engines ran each prompt, each round, one after another)
+    paired_tok_per_s: list[float] = field(default_factory=list, repr=False)
     load_s: float | None = None  # the system's model load time (first `none` row and external systems)
     peak_rss_mb: float | None = None  # its process's peak resident memory after load and the first request
     # speculative "auto" (--explain): requests per route the router took, target steps drafted per method
