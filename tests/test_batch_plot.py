@@ -24,3 +24,11 @@ def test_speedups_are_per_batch_and_precision_and_prefer_the_larger_run() -> Non
     ax = fig.axes[0]
     lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert lines["suffix"] == [121.0 / 110.0, 380.0 / 400.0, 450.0 / 500.0] and lines["none"] == [1.0, 1.0, 1.0]
+
+
+def test_speedups_pair_requests_where_the_runs_kept_them() -> None:
+    run = {"prompts": "chat", "num_prompts": 3, "rows": [
+        {**_row("none", 1, 100.0), "paired_tok_per_s": [50.0, 100.0, 150.0]},
+        {**_row("suffix", 1, 60.0), "paired_tok_per_s": [50.0, 60.0, 150.0]}]}
+    assert speedups([run])[("chat", "float32")]["suffix"] == {1: 1.0}  # the ratio of medians would say 0.60
+

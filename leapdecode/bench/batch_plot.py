@@ -4,13 +4,15 @@ precision, one line per method, so the batch-1 gains and the batched rows' cost 
 Run: ``python -m leapdecode.bench.batch_plot OUT.png RUN.json [RUN.json ...]``. Each run contributes its batch-1 and
 batched rows (a run of N prompts has batch N); a batch size in several runs takes the run with more requests
 (its batch-1 rows are medians over more prompts). Each point is the method's tok/s over plain decoding's at the same
-batch and precision, as the runs report it.
+batch and precision, paired as the bench pairs its own speedups (prompt by prompt at batch 1, round by round
+batched) where the runs kept the pairs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +21,30 @@ from leapdecode.eval.plotting import pyplot
 
 
 def speedups(runs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
-    """(prompt set, precision) -> method -> batch -> tok/s over plain decoding at that batch and precision."""
-    best: dict[tuple[str, str, int, str], tuple[int, float]] = {}  # -> (requests, tok/s)
+    """(prompt set, precision) -> method -> batch -> speed over plain decoding at that batch and precision: the
+    median of the paired tok/s ratios where both rows carry them (``Row.paired_tok_per_s``, as the bench's own
+    speedup column), else the ratio of their tok/s."""
+    best: dict[tuple[str, str, int, str], tuple[int, dict[str, Any]]] = {}  # -> (requests, row)
     for run in runs:
         for r in run["rows"]:
             if r.get("system", "leapdecode") != "leapdecode":
                 continue
             key = (run["prompts"], r["kernel"] or "float32", r["batch"], r["method"].split(" [")[0])
             if key not in best or run["num_prompts"] > best[key][0]:
-                best[key] = (run["num_prompts"], r["tok_per_s"])
+                best[key] = (run["num_prompts"], r)
     out: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
-    for (prompts, kernel, batch, method), (_, tps) in best.items():
+    for (prompts, kernel, batch, method), (_, row) in best.items():
         plain = best.get((prompts, kernel, batch, "none"))
-        if plain is not None and plain[1] > 0:
-            out.setdefault((prompts, kernel), {}).setdefault(method, {})[batch] = tps / plain[1]
+        if plain is not None and plain[1]["tok_per_s"] > 0:
+            out.setdefault((prompts, kernel), {}).setdefault(method, {})[batch] = _ratio(row, plain[1])
     return out
+
+
+def _ratio(row: dict[str, Any], plain: dict[str, Any]) -> float:
+    a, b = row.get("paired_tok_per_s") or [], plain.get("paired_tok_per_s") or []
+    if a and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b))
+    return row["tok_per_s"] / plain["tok_per_s"]
 
 
 def batch_figure(runs: list[dict[str, Any]], title: str) -> Any:
