@@ -15,56 +15,36 @@ refuses the advice, memory stays on ordinary pages.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import contextlib
+import mmap
 from collections.abc import Iterable
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux's value (asm-generic/mman-common.h)
 ALIGN = 64  # each tensor packed into an arena starts on a cache line
 MIN_BYTES = 64 << 10  # smaller tensors are left where they are: not worth a copy
-
-
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-
-
-def advise(ptr: int, length: int) -> bool:
-    """Ask for 2 MB pages over the whole huge pages inside ``[ptr, ptr + length)``; False where nothing was
-    advised (not Linux, a region smaller than one huge page, or the kernel refused)."""
-    start = -(-ptr // HUGE_PAGE) * HUGE_PAGE
-    end = (ptr + length) // HUGE_PAGE * HUGE_PAGE
-    if _MADVISE is None or end <= start:
-        return False
-    return _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
+# where the OS takes the advice (Linux); elsewhere everything here leaves memory as it is
+AVAILABLE = hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor starting on a huge-page boundary, its memory advised before anything touches
-    it (so the first writes fault in 2 MB pages); a plain ``torch.empty`` when it is smaller than a huge page."""
+    """An uninitialised CPU tensor starting on a huge-page boundary, in a fresh anonymous mapping advised before
+    anything touches it (so the first writes fault in 2 MB pages; memory the allocator hands back after a free was
+    touched already and stays on the pages it has); a plain ``torch.empty`` when it is smaller than a huge page or
+    the OS offers no advice. The mapping lives as long as the tensor and its views."""
     numel = 1
     for s in shape:
         numel *= int(s)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or _MADVISE is None:
+    if nbytes < HUGE_PAGE or not AVAILABLE:
         return torch.empty(tuple(shape), dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # private and anonymous (a shared mapping would be shmem, which takes huge pages under another setting)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds the mapping
     offset = -raw.data_ptr() % HUGE_PAGE
-    advise(raw.data_ptr() + offset, nbytes)
+    with contextlib.suppress(OSError):  # refused: ordinary pages
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
     return raw[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
@@ -82,7 +62,7 @@ def gather(tensors: Iterable[torch.Tensor]) -> int:
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
                 and t.numel() * t.element_size() >= MIN_BYTES):
             chosen.setdefault(id(t), t)
-    if not chosen or _MADVISE is None:
+    if not chosen or not AVAILABLE:
         return 0
     offsets, total = [], 0
     for t in chosen.values():

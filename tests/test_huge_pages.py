@@ -40,7 +40,7 @@ def test_gather_keeps_each_tensors_identity_and_values() -> None:
     before = [t.clone() for t in (a, b, small, view)]
     ptrs = [t.data_ptr() for t in (a, b, small, view)]
     moved = huge_pages.gather([a, b, a, small, view])
-    if huge_pages._MADVISE is None:
+    if not huge_pages.AVAILABLE:
         assert moved == 0
         return
     assert moved == a.numel() * 4 + b.numel()  # a once, b; not the small one nor the strided view
@@ -56,7 +56,7 @@ def test_gather_keeps_each_tensors_identity_and_values() -> None:
 def test_empty_is_aligned_and_zeros_is_zero() -> None:
     t = huge_pages.zeros((3, 1 << 19), torch.float32)
     assert t.shape == (3, 1 << 19) and t.dtype == torch.float32 and not t.any()
-    if huge_pages._MADVISE is not None:
+    if huge_pages.AVAILABLE:
         assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert huge_pages.empty((5,), torch.int64).shape == (5,)  # small: a plain tensor
 

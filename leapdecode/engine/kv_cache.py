@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from leapdecode import huge_pages
-
 from leapdecode.layers.kv_quant import (
     SCALE_DTYPE,
     KVPlane,
