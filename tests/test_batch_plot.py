@@ -22,7 +22,8 @@ def test_speedups_are_per_batch_and_precision_and_prefer_the_larger_run() -> Non
     assert got[("chat", "packed-int8act")]["suffix"] == {1: 200.0 / 160.0}  # against int8's own plain decoding
     fig = batch_figure([small, large], "title")
     ax = fig.axes[0]
-    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if not line.get_label().startswith("_")}
+    lines = {line.get_label(): list(line.get_ydata())
+             for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert lines["suffix"] == [121.0 / 110.0, 380.0 / 400.0, 450.0 / 500.0] and lines["none"] == [1.0, 1.0, 1.0]
 
 

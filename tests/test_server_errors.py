@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -307,15 +308,25 @@ def test_a_poisoned_request_fails_alone_beside_streams_in_flight(
     backend = eng.structured_backend()
     real, in_flight = backend.matcher, []
     poison = {"regex": "[a-z ]+"}
-    # compiled before the streams start, and failing on its second token: a cold compile or five more steps
-    # let the 24-token streams finish first on a slow machine, and then nothing was in flight beside it
-    backend.compile(StructuredOutputsParams(**poison))
+    backend.compile(StructuredOutputsParams(**poison))  # compiled before the streams start
+    poison_added, real_step = threading.Event(), eng.step
 
     def matcher(params: Any, compiled: Any = None) -> Any:
         m = real(params, compiled)
-        return Exploding(m, "accept", 2, lambda: in_flight.append(len(eng.requests))) if params.regex else m
+        if not params.regex:
+            return m
+        poison_added.set()
+        return Exploding(m, "accept", 2, lambda: in_flight.append(len(eng.requests)))
+
+    def step() -> Any:
+        # the streams take their time until the poisoned request is in the engine: on a slow machine the client
+        # read the streams' first tokens so late that every 24-token stream had finished before it arrived
+        if not poison_added.is_set():
+            time.sleep(0.05)
+        return real_step()
 
     monkeypatch.setattr(backend, "matcher", matcher)
+    monkeypatch.setattr(eng, "step", step)
 
     async def main() -> tuple[list[str], httpx.Response, int]:
         client = async_client(server)

@@ -26,6 +26,7 @@ from schemathesis import checks as st_checks  # noqa: E402
 
 from leapdecode import LLM  # noqa: E402
 from leapdecode.server.api_server import build_app  # noqa: E402
+from leapdecode.server.responses import ResponseStreamEvent  # noqa: E402
 from tests.conftest import assert_no_leaks  # noqa: E402
 from tests.server_helpers import live_server  # noqa: E402
 
@@ -117,6 +118,24 @@ def test_the_schema_lists_exactly_these_operations(fuzz_app: Any) -> None:
         props = doc["components"]["schemas"][name]["properties"]
         assert {"model", "max_tokens", "temperature", "top_p", "stop", "stream", "seed"} <= set(props)
         assert ("messages" if "chat" in path else "prompt") in props
+
+
+def test_the_responses_stream_is_declared_as_its_events(fuzz_app: Any, fuzz_server: str) -> None:
+    """/v1/responses streams typed events, not chunks of its answer: the schema says so (a fuzzed stream was once
+    checked against the whole response object and failed on its first event), and every event of a real stream
+    fits the declared model."""
+    doc = fuzz_app.openapi()
+    sse = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert sse["properties"]["data"]["contentSchema"]["$ref"].endswith("/ResponseStreamEvent")
+    body = {"input": "hi", "stream": True, "max_output_tokens": 3}
+    with httpx.stream("POST", fuzz_server + "/v1/responses", json=body, trust_env=False, timeout=60) as r:
+        datas = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [d["type"] for d in datas]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    for d in datas:
+        event = ResponseStreamEvent.model_validate(d)
+        assert event.sequence_number == datas.index(d)
+        assert (event.response is not None) == ("response" in d)
 
 
 # a GET without parameters has no invalid input to generate: it gets positive examples only

@@ -27,8 +27,8 @@ import torch
 
 from leapdecode.bench.external import llamacpp_step_costs, run_isolated
 from leapdecode.bench.hardware import machine_info
-from leapdecode.eval.plotting import pyplot
 from leapdecode.engine.model_runner import ForwardItem
+from leapdecode.eval.plotting import pyplot
 from leapdecode.layers import int8_gemm
 from leapdecode.llm import LLM
 from leapdecode.threads import THREADS_HELP, available_cpus

@@ -32,7 +32,7 @@ from leapdecode.server.metrics import ServerMetrics
 from leapdecode.server.middleware import ApiKeyAuth, RequestId, StatusCounter
 from leapdecode.server.openapi import install_component_schemas
 from leapdecode.server.props import PropsResponse, SlotsResponse
-from leapdecode.server.responses import ResponseObject, ResponsesRequest
+from leapdecode.server.responses import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from leapdecode.server.routes import admin, chat, completions, embeddings, props, responses, tokens
 from leapdecode.server.serving import Serving, as_llm, default_model_name
 from leapdecode.server.stats_log import StatsLogger
@@ -134,7 +134,8 @@ def build_app(
             for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
         ]
         + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
-        + [(m, "serialization") for m in (EmbeddingResponse, ResponseObject, PropsResponse, SlotsResponse)]
+        + [(m, "serialization") for m in (EmbeddingResponse, ResponseObject, ResponseStreamEvent)]
+        + [(m, "serialization") for m in (PropsResponse, SlotsResponse)]
         + [(P.ErrorResponse, "serialization")],
     )
     return app

@@ -43,11 +43,12 @@ def operation_doc(
     response: type[BaseModel] | None,
     error: type[BaseModel],
     errors: Iterable[int],
-    streams: bool = False,
+    streams: bool | type[BaseModel] = False,
     text_media_type: str | None = None,
 ) -> dict[str, Any]:
     """The ``openapi_extra`` of one operation: its JSON request body (``request``), its 200 answer (``response``,
-    or with ``streams`` also ``text/event-stream``; ``text_media_type`` when it answers text instead) and the
+    or with ``streams`` also ``text/event-stream``, each event's data a ``response`` chunk, or the model ``streams``
+    names where the events are not chunks of the answer; ``text_media_type`` when it answers text instead) and the
     ``error`` bodies of the ``errors`` statuses."""
     doc: dict[str, Any] = {"responses": {}}
     if text_media_type is not None:
@@ -64,7 +65,8 @@ def operation_doc(
                 "type": "object",
                 "required": ["data"],
                 "properties": {
-                    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(response)}
+                    "data": {"type": "string", "contentMediaType": "application/json",
+                             "contentSchema": _ref(response if streams is True else streams)}
                 },
             }
             content["text/event-stream"] = {"schema": event}
@@ -111,7 +113,7 @@ def route(
     request_model: type[BaseModel] | None = None,
     response_model: type[BaseModel] | None = None,
     errors: Iterable[int] = (),
-    streams: bool = False,
+    streams: bool | type[BaseModel] = False,
     text_media_type: str | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A decorator that registers a handler on ``app`` with its bodies declared for ``/openapi.json`` (the handler

@@ -202,6 +202,17 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
 
 
+class ResponseStreamEvent(BaseModel):
+    """The ``data`` of one event of the ``POST /v1/responses`` stream: its ``type``, its ``sequence_number`` and the
+    fields of that type (``response`` for the lifecycle events, ``item``, ``part``, ``delta``, ``text`` or
+    ``message`` for the others)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+
+
 def response_object(req: ResponsesRequest, rid: str, created: int, model: str, status: str,
                     output: list[OutputMessage], usage: ResponseUsage | None) -> ResponseObject:
     """The response ``rid`` of ``req`` in state ``status`` (``incomplete``: cut by ``max_output_tokens``)."""
@@ -223,5 +234,5 @@ def status_of(finish_reason: str | None) -> Literal["completed", "incomplete"]:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-__all__ = ["OutputMessage", "OutputText", "ResponseObject", "ResponsesRequest", "response_object", "status_of",
-           "usage"]
+__all__ = ["OutputMessage", "OutputText", "ResponseObject", "ResponseStreamEvent", "ResponsesRequest",
+           "response_object", "status_of", "usage"]

@@ -36,6 +36,7 @@ from leapdecode.server.responses import (
     OutputText,
     ResponseObject,
     ResponsesRequest,
+    ResponseStreamEvent,
     response_object,
     status_of,
     usage,
@@ -106,7 +107,8 @@ class ResponseStream:
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
-    @route(app, "POST", "/v1/responses", ResponsesRequest, ResponseObject, COMPLETION_ERRORS, streams=True)
+    @route(app, "POST", "/v1/responses", ResponsesRequest, ResponseObject, COMPLETION_ERRORS,
+           streams=ResponseStreamEvent)
     async def responses(request: Request) -> Any:
         req: ResponsesRequest = await serving.parse(request, ResponsesRequest)
         serving.check_model(req.model)
