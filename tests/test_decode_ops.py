@@ -211,6 +211,26 @@ def test_row_top_k_matches_topk_and_logsumexp(rows: int, vocab: int, k: int) -> 
     assert i[0, 0] == 9 and v[0, 0] == 1.5 and v[0, 1] == float("-inf") and float(s[0]) == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 37), (17, 1000), (2, 5)])
+def test_row_argmax_is_torchs_argmax(rows: int, vocab: int) -> None:
+    """The greedy token of each row (layer_ops.cpp): torch's argmax, ties to the first, NaN first where there is
+    one, in the vector loop and in its scalar tail."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 6
+    assert layer_ops.row_argmax(logits) == logits.argmax(dim=-1).tolist()
+    tied = torch.zeros(rows, vocab)
+    tied[:, [vocab // 3, vocab // 2, vocab - 1]] = 2.0  # equal maxima in different lanes and in the tail
+    assert layer_ops.row_argmax(tied) == tied.argmax(dim=-1).tolist() == [vocab // 3] * rows
+    odd = torch.full((rows, vocab), float("-inf"))
+    assert layer_ops.row_argmax(odd) == odd.argmax(dim=-1).tolist() == [0] * rows
+    odd[0, vocab - 1] = float("nan")
+    odd[-1, min(vocab - 1, 20)] = float("nan")
+    assert layer_ops.row_argmax(odd) == odd.argmax(dim=-1).tolist()
+    big = torch.zeros(1, vocab)
+    big[0, 0] = 1.0  # the maximum at index 0, which every lane starts from
+    assert layer_ops.row_argmax(big) == [0]
+
+
 def test_record_successors_writes_each_rows_top_k_in_order() -> None:
     """Token Recycling's matrix update (layer_ops.cpp): each row's top-k ids and softmax probabilities into the
     matrix row of its input token, rows in order (a repeated token keeps its last row), out-of-range tokens

@@ -15,6 +15,7 @@ import torch
 
 from leapdecode.engine.output_assembly import row_context
 from leapdecode.engine.sequence import Sequence
+from leapdecode.layers.layer_ops import row_argmax
 from leapdecode.layers.sampler import apply_processors, position_logprobs, processed_logits, sample_from
 from leapdecode.outputs import PositionLogprobs
 
@@ -27,7 +28,7 @@ def sample_rows(
     request asked for none). ``generator``: the engine's stream, for unseeded sampled requests."""
     if any(s.params.has_processors for s in seqs):
         logits = apply_processors(logits, [row_context(s) for s in seqs])
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = row_argmax(logits)
     rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
     processed = None
     if rand:

@@ -175,6 +175,57 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
   return {values, indices, lse};
 }
 
+// Per row of logits [T, V]: the index of its largest value, as torch.argmax gives it (the first of equal maxima; the
+// first NaN where a row has one), in one vector pass over the row: the greedy token of every row of a decode step or
+// a verification, where torch's argmax read a 49,152-wide row at ~4.5 GB/s (43 us a row, 0.33 ms for 16).
+std::vector<int64_t> row_argmax(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
+                  logits.size(1) >= 1,
+              "row_argmax: contiguous float32 [T, V] logits, V >= 1");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  const float* lp = logits.data_ptr<float>();
+  std::vector<int64_t> out(T);
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      // per lane: the largest value seen and its first index (a strict > keeps the earlier of equals)
+      v16f best = v16f{} + x[0];
+      v16i at = v16i{};
+      v16f nan_seen = v16f{};
+      int64_t i = 0;
+      const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (; i + 16 <= V; i += 16) {
+        v16f xv;
+        __builtin_memcpy(&xv, x + i, 64);
+        const v16i gt = xv > best;
+        best = gt ? xv : best;
+        at = gt ? lanes + static_cast<int>(i) : at;
+        nan_seen += (xv != xv) ? v16f{} + 1.f : v16f{};
+      }
+      float m = best[0];
+      int64_t idx = at[0];
+      for (int l = 1; l < 16; ++l)
+        if (best[l] > m || (best[l] == m && at[l] < idx)) m = best[l], idx = at[l];
+      bool nan = false;
+      for (int l = 0; l < 16; ++l) nan = nan || nan_seen[l] != 0.f;
+      for (; i < V; ++i) {
+        if (x[i] != x[i]) nan = true;
+        if (x[i] > m) m = x[i], idx = i;
+      }
+      if (nan)  // torch's rule: the first NaN
+        for (int64_t j = 0; j < V; ++j)
+          if (x[j] != x[j]) {
+            idx = j;
+            break;
+          }
+      out[r] = idx;
+    }
+  };
+  if (T >= 2) at::parallel_for(0, T, 1, body);
+  else body(0, T);
+  return out;
+}
+
 // Token Recycling's successor matrix learns from verified rows: for each row r of logits [T, V] whose input token
 // is tokens[r], the row's top-k (row_top_k) becomes matrix row tokens[r] -- successor ids (int32) and their
 // probabilities exp(value - logsumexp) as float16. Rows are written in order, so a token given twice keeps its

@@ -28,6 +28,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k);
+std::vector<int64_t> row_argmax(torch::Tensor logits);
 void record_successors(torch::Tensor logits, torch::Tensor tokens, torch::Tensor succ_tokens, torch::Tensor succ_probs);
 // attention_rows.cpp: few-row attention over the paged cache (float32 and int8)
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,

@@ -529,6 +529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate) * up (tanh form) of a fused [T, 2I] gate/up projection");
   m.def("row_top_k", &row_top_k, "per logits row: its k largest values and indices, and its logsumexp");
+  m.def("row_argmax", &row_argmax, "per logits row: the index of its largest value (torch.argmax's)");
   m.def("record_successors", &record_successors, "each logits row's top-k into the successor matrix row of its input token");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
   m.def("rotate_rows", &rotate_rows, "(x * smooth) @ R, or x @ R^T, per row of [T, H, D] (int8 KV basis changes)");

@@ -1,5 +1,5 @@
-"""Python side of kernels/layer_ops.cpp: RMSNorm, RoPE, the gated activations and the logits rows' top-k with their
-logsumexp, as one C++ call each."""
+"""Python side of kernels/layer_ops.cpp: RMSNorm, RoPE, the gated activations, the logits rows' argmax and their top-k
+with their logsumexp, as one C++ call each."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (GELU's tanh form) of a fused [T, 2I] projection -> [T, I] (layer_ops.cpp)."""
     return extension.ext.gelu_tanh_mul(gate_up.contiguous())
+
+
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest value of ``logits`` [T, V], as ``logits.argmax(-1).tolist()`` gives it (the
+    first of equal maxima, the first NaN), in one C++ vector pass per row (layer_ops.cpp) for CPU float32."""
+    if (extension.ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.dim() == 2 and logits.shape[1] > 0 and not logits.requires_grad):
+        return extension.ext.row_argmax(logits.contiguous())
+    return logits.argmax(dim=-1).tolist()
 
 
 def row_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.drafting import Draft, StepSnapshot, Verdict
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
 from leapdecode.engine.sequence import Sequence
+from leapdecode.layers.layer_ops import row_argmax
 from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
 from leapdecode.parallel import group_size, rank0_value
 from leapdecode.speculative.acceptance import (
@@ -508,7 +509,7 @@ class Speculator:
         if own is not None:
             return own[0], own[1], logits
         if seq.params.greedy:
-            return (*verify_greedy(logits.argmax(dim=-1).tolist(), drafts), logits)
+            return (*verify_greedy(row_argmax(logits), drafts), logits)
         p = processed_probs(logits, [seq.params] * (k + 1))
         return (*verify_sampling(p, drafts, probs, self._generator(seq)), logits)
 
@@ -531,7 +532,7 @@ class Speculator:
                                 masks[i + 1]) for i in range(n)]
             logits = apply_processors(logits, rows)
         if seq.params.greedy:
-            return (*verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents), logits)
+            return (*verify_tree_greedy(row_argmax(logits), drafts, parents), logits)
         p = processed_probs(logits, [seq.params] * (n + 1))
         typical = prop.tree_acceptance()
         if typical is not None:  # lossy opt-in
