@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from leapdecode.bench.report_plots import series_style
+from leapdecode.bench.rows import paired_ratio
 from leapdecode.eval.plotting import pyplot
 
 
 def speedups(runs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
     """(prompt set, precision) -> method -> batch -> speed over plain decoding at that batch and precision: the
-    median of the paired tok/s ratios where both rows carry them (``Row.paired_tok_per_s``, as the bench's own
-    speedup column), else the ratio of their tok/s."""
+    bench's own speedup (``rows.paired_ratio``: the median of the paired tok/s ratios where both rows carry them,
+    else the ratio of their tok/s)."""
     best: dict[tuple[str, str, int, str], tuple[int, dict[str, Any]]] = {}  # -> (requests, row)
     for run in runs:
         for r in run["rows"]:
@@ -36,15 +36,10 @@ def speedups(runs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict
     for (prompts, kernel, batch, method), (_, row) in best.items():
         plain = best.get((prompts, kernel, batch, "none"))
         if plain is not None and plain[1]["tok_per_s"] > 0:
-            out.setdefault((prompts, kernel), {}).setdefault(method, {})[batch] = _ratio(row, plain[1])
+            out.setdefault((prompts, kernel), {}).setdefault(method, {})[batch] = paired_ratio(
+                row.get("paired_tok_per_s") or [], plain[1].get("paired_tok_per_s") or [], row["tok_per_s"],
+                plain[1]["tok_per_s"])
     return out
-
-
-def _ratio(row: dict[str, Any], plain: dict[str, Any]) -> float:
-    a, b = row.get("paired_tok_per_s") or [], plain.get("paired_tok_per_s") or []
-    if a and len(a) == len(b):
-        return statistics.median(x / y for x, y in zip(a, b))
-    return row["tok_per_s"] / plain["tok_per_s"]
 
 
 def batch_figure(runs: list[dict[str, Any]], title: str) -> Any:

@@ -25,7 +25,7 @@ from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weig
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
-from leapdecode.bench.rows import Row, explain_rows, median
+from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
@@ -90,15 +90,10 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
 
 
 def paired_speedup(row: Row, base: Row) -> float:
-    """``row``'s speed over ``base``'s, the median of their paired tok/s (``Row.paired_tok_per_s``): at batch 1 on
-    the same prompt, batched in the same round, each pair run back to back so both met the same spell of a shared
-    machine; the ratio of their tok/s where nothing pairs (external systems). The ratio of two medians mixed
-    prompts of different lengths and rounds of different spells: a method that drafted nothing measured 0.94-1.06x
-    of plain decoding at batch 1 and 1.08x at batch 16 from one run to the next."""
-    a, b = row.paired_tok_per_s, base.paired_tok_per_s
-    if row.batch == base.batch and a and len(a) == len(b):
-        return median(x / y for x, y in zip(a, b))
-    return row.tok_per_s / base.tok_per_s
+    """``row``'s speed over ``base``'s (:func:`rows.paired_ratio`), paired only between rows of one batch size
+    (external systems carry no pairs: the ratio of their tok/s)."""
+    pairs = row.paired_tok_per_s if row.batch == base.batch else []
+    return paired_ratio(pairs, base.paired_tok_per_s, row.tok_per_s, base.tok_per_s)
 
 
 def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:

@@ -62,3 +62,14 @@ def explain_rows(rows: list[Row]) -> list[str]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def paired_ratio(pairs: list[float], base_pairs: list[float], tok_per_s: float, base_tok_per_s: float) -> float:
+    """A row's speed over its plain row's: the median of their paired tok/s (``Row.paired_tok_per_s``: per prompt
+    at batch 1, per round batched, each pair run back to back so both met the same spell of a shared machine),
+    or the ratio of their tok/s where nothing pairs. The ratio of two medians mixed prompts of different lengths
+    and rounds of different spells: a method that drafted nothing measured 0.94-1.06x of plain decoding at batch
+    1 and 1.08x at batch 16 from one run to the next. The bench's speedup column and ``batch_plot`` both read it."""
+    if pairs and len(pairs) == len(base_pairs):
+        return statistics.median(x / y for x, y in zip(pairs, base_pairs))
+    return tok_per_s / base_tok_per_s
