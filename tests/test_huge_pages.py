@@ -65,3 +65,17 @@ def test_empty_is_aligned_and_zeros_is_zero() -> None:
 def test_advised_memory_is_backed_by_huge_pages() -> None:
     t = huge_pages.zeros((16 << 20,), torch.uint8)  # 16 MB, touched by the fill
     assert _huge_kb_at(t.data_ptr()) >= 2048  # at least one 2 MB page (the kernel may be short of free ones)
+
+
+def test_a_module_is_gathered_once() -> None:
+    """Engines that share one model (LLM.from_engine_of) each pack it: its weights move to huge pages the first
+    time only, and stay where they are after."""
+    lin = torch.nn.Linear(1024, 1024, bias=False).requires_grad_(False)
+    lin.packed = torch.randn(700_000)  # a plain tensor attribute, as the kernels' packed weights are
+    ptr = lin.packed.data_ptr()
+    first = huge_pages.gather_module(lin)
+    moved_to = lin.packed.data_ptr()
+    assert huge_pages.gather_module(lin) == 0 and lin.packed.data_ptr() == moved_to
+    if huge_pages.AVAILABLE:
+        assert first == 700_000 * 4 + 1024 * 1024 * 4 and moved_to != ptr
+

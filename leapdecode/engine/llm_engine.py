@@ -190,7 +190,7 @@ class LLMEngine:
                 int8_activations=kernel == "packed-int8act",
             )
         if n:  # what every step streams, on 2 MB pages (huge_pages.py)
-            huge_pages.gather(huge_pages.module_tensors(model))
+            huge_pages.gather_module(model)
         return n
 
     # ------------------------------------------------------------------------------------------- requests
