@@ -49,7 +49,8 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
 
 
 def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-    """:func:`empty`, zero-filled."""
+    """:func:`empty`, zero-filled (a fresh mapping reads as zeros already; the fill faults every page in now, as
+    torch.zeros did, not during the first steps)."""
     return empty(shape, dtype).zero_()
 
 

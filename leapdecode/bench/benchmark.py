@@ -89,6 +89,13 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     return row
 
 
+def _warm_up(llm, ids: list[int], params) -> None:
+    """One full-length request, then its prefix out of the cache: the first timed prompt's prefill is cold on this
+    engine as on every other (the plain engine's first prompt was warm)."""
+    llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()
+
+
 def paired_speedup(row: Row, base: Row) -> float:
     """``row``'s speed over ``base``'s (:func:`rows.paired_ratio`), paired only between rows of one batch size
     (external systems carry no pairs: the ratio of their tok/s)."""
@@ -280,8 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
     # caches, first-touch page faults of the KV pool or the allocator's growth
     bw = measure_bandwidth_gbps(eng.device)
-    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
-    eng.block_manager.reset_prefix_cache()  # the first prompt's prefill is measured cold, as on every other engine
+    _warm_up(base, prompts_ids[0], params)
     wbytes = weight_bytes_per_step(eng.model)
     header = [
         f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
@@ -306,8 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                       max_num_seqs=max(64, len(prompts)), linear_kernel=kernel,
                                                       num_threads=args.threads)
         if kbase is not base:
-            kbase.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)  # warm-up, as above
-            kbase.engine.block_manager.reset_prefix_cache()
+            _warm_up(kbase, prompts_ids[0], params)
         tag = "" if kernel == kernels[0] else kernel
         kernel_llms[tag] = kbase
         for m in methods:
