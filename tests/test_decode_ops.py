@@ -25,6 +25,13 @@ def test_rms_norm_matches_torch_and_rows_are_independent(rows: int, dim: int) ->
     assert xg.grad is not None
 
 
+def _slot_lists(lengths: list[int], num_slots: int, g: torch.Generator) -> list[torch.Tensor]:
+    """The first row's slots random, every later row's a prefix of one shared list, as a tree's rows share their
+    sequence's context (the kernel orders such neighbouring rows' tasks by KV head)."""
+    shared = torch.randperm(num_slots, generator=g)
+    return [shared[:n] if i else torch.randperm(num_slots, generator=g)[:n] for i, n in enumerate(lengths)]
+
+
 def _reference(q, k_cache, v_cache, slots: torch.Tensor, scale: float, group: int) -> torch.Tensor:
     """One row [H, D] over the listed slots with torch's SDPA."""
     hkv, d = k_cache.shape[1], k_cache.shape[2]
@@ -32,9 +39,9 @@ def _reference(q, k_cache, v_cache, slots: torch.Tensor, scale: float, group: in
     return F.scaled_dot_product_attention(q.view(1, hkv, group, d), kg, vg, scale=scale).view(-1, d)
 
 
-# 3000 x 9 heads: the threaded path; rows over 1024 positions are attended in 1024-slot chunks and merged
-# (1025: a one-slot last chunk; 2048: two full ones; 1024: still one piece)
-@pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5], [1025, 2048, 1024]])
+# 3000 x 9 heads: the threaded path; rows over 512 positions are attended in even chunks of at most 512 slots and
+# merged (513: two chunks; 1025: three; 512: still one piece)
+@pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5], [1025, 2048, 512, 513]])
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: a vector plus a scalar tail
 @pytest.mark.parametrize("group", [3, 2, 1])  # query heads per KV head: 3 and 2 have their own V loop at D = 64
 def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
@@ -47,7 +54,7 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
     t = len(lengths) + 2  # two rows of q are left to other kernels: their output rows stay untouched
     q = torch.randn(t, hkv * group, head_dim, generator=g) * 2
     rows = torch.randperm(t, generator=g)[: len(lengths)]
-    lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
+    lists = _slot_lists(lengths, num_slots, g)
     ends = torch.tensor(lengths).cumsum(0)
     spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     scale = head_dim**-0.5
@@ -64,7 +71,7 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
     assert (out[untouched] == 7.0).all()
 
 
-@pytest.mark.parametrize("lengths", [[1, 37], [3000, 200, 1025]])
+@pytest.mark.parametrize("lengths", [[1, 37], [3000, 200, 1025, 1030, 513]])
 def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list[int]) -> None:
     """The int8 rows kernel dequantizes what kv_quant stores, chunk by chunk; short rows and long (merged) ones."""
     from leapdecode.layers.kv_quant import QuantizedKV
@@ -81,7 +88,7 @@ def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list
     v_plane.write(torch.arange(num_slots), torch.randn(num_slots, hkv, d, generator=g))
     k_deq, v_deq = (p.read_range(0, num_slots, torch.float32) for p in (k_plane, v_plane))
     q = torch.randn(len(lengths), hkv * group, d, generator=g)
-    lists = [torch.randperm(num_slots, generator=g)[:n] for n in lengths]
+    lists = _slot_lists(lengths, num_slots, g)
     ends = torch.tensor(lengths).cumsum(0)
     spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     out = torch.empty_like(q)

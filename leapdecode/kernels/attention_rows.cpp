@@ -226,12 +226,26 @@ static void attend(const float* q, const float* kp, const float* vp, const int64
   weighted_sum_heads(sh, np, vp + h * D, slots, n, row, G, D, o + h * G * D, D);
 }
 
-// A row that sees more than kLongRow positions is attended in kLongRow-slot chunks by separate tasks, each keeping
-// its own max m_c, exp-sum s_c and unnormalised sum o_c = sum_j e^(score_j - m_c) v_j, merged in chunk order
-// (FlashDecoding's log-sum-exp reduction): one (row, KV head) task would read the whole context on one core, and a
-// single core cannot stream it at the memory's rate (6k context: 1.6 ms per layer vs 0.7 ms for torch's SDPA).
+// A row that sees more than kLongRow positions is attended in chunks of at most kLongRow slots by separate tasks,
+// each keeping its own max m_c, exp-sum s_c and unnormalised sum o_c = sum_j e^(score_j - m_c) v_j, merged in chunk
+// order (FlashDecoding's log-sum-exp reduction): one (row, KV head) task would read the whole context on one core,
+// and a single core cannot stream it at the memory's rate (6k context: 1.6 ms per layer vs 0.7 ms for torch's
+// SDPA). The chunks are of even length, so a row's tasks are of one size: a model with 3 KV heads gives a one-row
+// step 3 tasks unchunked, 2 on one thread and 1 on the other, and 6 or 9 even ones chunked (one row, 30 layers,
+// 1,000 positions: 2.49 -> 1.98 ms; 1,024 positions, once 2 uneven chunks, now 3 even ones: 3.99 -> 2.45 ms).
 // The split depends only on the row's own length, so a token's result still does not depend on the batch.
-constexpr int64_t kLongRow = 1024;
+constexpr int64_t kLongRow = 512;
+
+// how a row of n positions is chunked: chunks of `len` slots (a multiple of 16), the last one shorter
+struct Chunking {
+  int64_t len, count;
+};
+
+static inline Chunking chunking(int64_t n) {
+  const int64_t even = (n + kLongRow - 1) / kLongRow;  // fewest chunks of at most kLongRow
+  const int64_t len = ((n + even - 1) / even + 15) / 16 * 16;  // <= kLongRow, a multiple of 16
+  return {len, (n + len - 1) / len};
+}
 
 // q: the G query heads of one KV head [G, D]; k, v: that KV head's rows at k + slots[j] * row (so a float cache
 // passes kp + h * D with row = Hkv * D, and a dequantised int8 chunk its own [n, D] scratch with row = D)
@@ -279,30 +293,46 @@ static void merge_chunks(const std::vector<float>& parts, const std::vector<int6
 }
 
 // The tasks of one attention call. A row over more than kLongRow positions (or every row, with chunk_all) is
-// split into kLongRow-slot chunks, one task per (row, KV head, chunk), whose partial results go to
+// split into chunking(n)'s chunks, one task per (row, KV head, chunk), whose partial results go to
 // parts[(first_part[r] + h * chunks(r) + c) * G * (D + 2)]; other rows are one task per (row, KV head), chunk -1.
 struct RowTasks {
   std::vector<int64_t> first_part, row, head, chunk;
 };
 
 static inline int64_t num_chunks(int64_t n, bool chunk_all) {
-  return n > kLongRow || chunk_all ? (n + kLongRow - 1) / kLongRow : 0;
+  return n > kLongRow || chunk_all ? chunking(n).count : 0;
 }
 
-static RowTasks plan_row_tasks(const int64_t* span, int64_t R, int64_t Hkv, bool chunk_all) {
+static RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots, int64_t R, int64_t Hkv, bool chunk_all) {
   RowTasks t;
   t.first_part.assign(R + 1, 0);
-  // chunk-major: the KV heads of one chunk are neighbouring tasks, so a thread usually takes all of them in a row
-  // and the 2nd and 3rd head find the chunk's cache lines (rows hold every head: [slot, Hkv, D]) still in L2
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t chunks = num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
-    t.first_part[r + 1] = t.first_part[r] + Hkv * chunks;
-    for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        t.row.push_back(r);
-        t.head.push_back(h);
-        t.chunk.push_back(c);
-      }
+  for (int64_t r = 0; r < R; ++r)
+    t.first_part[r + 1] = t.first_part[r] + Hkv * num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
+  // Rows that start at the same slot (one sequence's tree or draft rows) read the same K/V: their tasks go head
+  // by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while every row of
+  // the run reads them, instead of each row pulling all heads' K/V through L3 (a tree of 16 rows at 1,024
+  // positions, 30 layers, the K/V evicted between calls as a model's weights evict them: 13.8 -> 10.7 ms).
+  // Other rows go chunk by chunk, the KV heads of one chunk neighbouring tasks, so a thread usually takes all of
+  // them and the 2nd and 3rd head find the chunk's lines (rows hold every head: [slot, Hkv, D]) still in L2.
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && slots[span[2 * r1]] == slots[span[2 * r0]]; ++r1) {
+    }
+    auto add = [&](int64_t r, int64_t c, int64_t h) {
+      t.row.push_back(r);
+      t.head.push_back(h);
+      t.chunk.push_back(c);
+    };
+    if (r1 - r0 > 1) {
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t chunks = num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
+          for (int64_t c = chunks ? 0 : -1; c < chunks; ++c) add(r, c, h);
+        }
+    } else {
+      const int64_t chunks = num_chunks(span[2 * r0 + 1] - span[2 * r0], chunk_all);
+      for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
+        for (int64_t h = 0; h < Hkv; ++h) add(r0, c, h);
+    }
   }
   return t;
 }
@@ -350,7 +380,7 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  const RowTasks tasks = plan_row_tasks(span, R, Hkv, false);
+  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, false);
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
   const int64_t num_tasks = int64_t(tasks.row.size());
   const int64_t work = pairs * H;  // score count: one thread unless waking a second one pays
@@ -362,10 +392,11 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
       if (c < 0) {
         attend(qp + t * H * D, kp, vp, sp + span[2 * r], n, h, G, D, Hkv * D, float(scale), outp + t * H * D, buf);
       } else {
-        const int64_t j0 = c * kLongRow;
-        float* part = parts.data() + (tasks.first_part[r] + h * num_chunks(n, false) + c) * G * (D + 2);
-        attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + span[2 * r] + j0, std::min(kLongRow, n - j0),
-                     G, D, Hkv * D, float(scale), part, buf);
+        const Chunking ch = chunking(n);
+        const int64_t j0 = c * ch.len, m = std::min(ch.len, n - j0);
+        float* part = parts.data() + (tasks.first_part[r] + h * ch.count + c) * G * (D + 2);
+        attend_chunk(qp + t * H * D + h * G * D, kp + h * D, vp + h * D, sp + span[2 * r] + j0, m, G, D, Hkv * D,
+                     float(scale), part, buf);
       }
     }
   });
@@ -533,7 +564,7 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows_i8");
-  const RowTasks tasks = plan_row_tasks(span, R, Hkv, true);
+  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, true);
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
   std::vector<int64_t> identity(std::min(kLongRow, pairs + 1));
   std::iota(identity.begin(), identity.end(), 0);
@@ -548,9 +579,10 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.row[task], h = tasks.head[task], c = tasks.chunk[task], t = rp[r];
-      const int64_t n = span[2 * r + 1] - span[2 * r], chunks = num_chunks(n, true), j0 = c * kLongRow;
-      const int64_t m = std::min(kLongRow, n - j0);
-      float* part = parts.data() + (tasks.first_part[r] + h * chunks + c) * G * (D + 2);
+      const int64_t n = span[2 * r + 1] - span[2 * r];
+      const Chunking ch = chunking(n);
+      const int64_t j0 = c * ch.len, m = std::min(ch.len, n - j0);
+      float* part = parts.data() + (tasks.first_part[r] + h * ch.count + c) * G * (D + 2);
       if (fused != nullptr) {
         fused(qp + t * H * D + h * G * D, kd, ks, vd, vs, sp + span[2 * r] + j0, m, Hkv, h, float(scale), part, buf);
         continue;
