@@ -71,6 +71,44 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
     assert (out[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize("context", [100, 700, 1030])  # one piece; two chunks; three chunks
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 2), (64, 4), (24, 3)])
+def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: int, head_dim: int,
+                                                                      group: int) -> None:
+    """A tree's rows (each: the sequence's context, then its ancestors and itself) read the shared context once for
+    all of them, block by block; each row's result is still the bits it gets alone, and SDPA's values. Beside
+    them in the same call: another sequence's decode row and a tree row whose length chunks differently."""
+    g = torch.Generator().manual_seed(context + head_dim + group)
+    hkv, num_slots, nodes = 3, 4096, 12
+    k_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
+    v_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
+    perm = torch.randperm(num_slots, generator=g)
+    ctx, node_slots, other = perm[:context], perm[context : context + nodes], perm[context + nodes :][:333]
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, nodes)]
+    lists = [other]
+    for i in range(nodes):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        lists.append(torch.cat([ctx, node_slots[path[::-1]]]))
+    lists.append(torch.cat([ctx, perm[-600:]]))  # same first slot, longer: chunked otherwise
+    lengths = [len(x) for x in lists]
+    q = torch.randn(len(lists), hkv * group, head_dim, generator=g)
+    ends = torch.tensor(lengths).cumsum(0)
+    spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(len(lists)), spans, torch.cat(lists), scale, out)
+    for r, slots in enumerate(lists):
+        torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots, scale, group), rtol=1e-5,
+                                   atol=2e-6)
+        alone = torch.empty_like(q)
+        attention_rows.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
+                                      scale, alone)
+        assert torch.equal(alone[r], out[r]), r
+
+
 @pytest.mark.parametrize("lengths", [[1, 37], [3000, 200, 1025, 1030, 513]])
 def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list[int]) -> None:
     """The int8 rows kernel dequantizes what kv_quant stores, chunk by chunk; short rows and long (merged) ones."""
