@@ -1,4 +1,4 @@
-// The float32 vector helpers the decode-step sources share (layer_ops.cpp, attention_rows.cpp, int8_kv.cpp): fixed
+// The float32 vector helpers the decode-step sources share (layer_ops.cpp, attention_rows.h, int8_kv.cpp): fixed
 // summation orders, so a result never depends on which source or which caller computed it. Without -ffast-math the
 // compiler keeps these orders; explicit vector types make it vectorise them anyway.
 #pragma once

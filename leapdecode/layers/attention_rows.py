@@ -1,5 +1,5 @@
-"""Python side of kernels/attention_rows.cpp: few-token rows' attention over listed paged K/V slots, float32 or
-int8 caches (see attention.AttentionMetadata.kernel_rows).
+"""Python side of kernels/attention_rows.cpp and attention_rows_i8.cpp: few-token rows' attention over listed paged
+K/V slots, float32 or int8 caches (see attention.AttentionMetadata.kernel_rows).
 """
 
 from __future__ import annotations

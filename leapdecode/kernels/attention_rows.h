@@ -1,0 +1,391 @@
+// The pieces of few-row attention over the paged KV cache that the float32 cache (attention_rows.cpp) and the int8
+// cache (attention_rows_i8.cpp) share: scores, softmax, weighted sums of V, the long rows' chunks and their merge,
+// and the plan of one call's tasks. Each row attends to an explicit list of slots, alone and in one fixed order, so
+// its result never depends on the other rows of the call.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "vec_math.h"
+
+// out[0 .. 16C) = sum_j p[j] * V[slots[j]] (V rows at v + slots[j] * row), summed over j in order, onto the sum
+// already in out (init: from zero). A sum continued over consecutive ranges of j is the same bits as one call over
+// their union: the accumulators pass through memory unchanged.
+template <int C>
+static inline void weighted_rows(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+                                 float* out, bool init) {
+  v16f acc[C];
+  for (int c = 0; c < C; ++c) {
+    acc[c] = v16f{};
+    if (!init) __builtin_memcpy(&acc[c], out + 16 * c, 64);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    for (int c = 0; c < C; ++c) {
+      v16f x;
+      __builtin_memcpy(&x, vj + 16 * c, 64);
+      acc[c] += x * p[j];
+    }
+  }
+  for (int c = 0; c < C; ++c) __builtin_memcpy(out + 16 * c, &acc[c], 64);
+}
+
+// out[0 .. D) (+)= sum_j p[j] * V[slots[j]] for any head width: in registers for the common widths (no
+// store-to-load chain through the output), axpy otherwise
+static inline void weighted_sum(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+                                int64_t D, float* out, bool init) {
+  switch (D) {
+    case 32: weighted_rows<2>(p, v, slots, n, row, out, init); break;
+    case 64: weighted_rows<4>(p, v, slots, n, row, out, init); break;
+    case 128: weighted_rows<8>(p, v, slots, n, row, out, init); break;
+    default:
+      if (init)
+        for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
+      for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * row, out, D);
+  }
+}
+
+// weighted_rows<C> for NG query heads at once (probabilities p[g * np + j]; head g's sum to out + g * stride):
+// each V row is loaded once for all heads and NG * C independent sums hide the FMA latency that bounds a single
+// head's C sums. Every head's sums run in weighted_rows' order, so the results are the same bits.
+template <int NG, int C>
+static inline void weighted_rows_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+                                       int64_t row, float* out, int64_t stride, bool init) {
+  v16f acc[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) {
+      acc[g][c] = v16f{};
+      if (!init) __builtin_memcpy(&acc[g][c], out + g * stride + 16 * c, 64);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * row;
+    if (j + 16 < n)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(v + slots[j + 16] * row + 16 * c);
+    v16f x[C];
+    for (int c = 0; c < C; ++c) __builtin_memcpy(&x[c], vj + 16 * c, 64);
+    for (int g = 0; g < NG; ++g) {
+      const float pj = p[g * np + j];
+      for (int c = 0; c < C; ++c) acc[g][c] += x[c] * pj;
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) __builtin_memcpy(out + g * stride + 16 * c, &acc[g][c], 64);
+}
+
+// the G query heads' weighted sums over one KV head's V rows (v already offset to the head), head g's to
+// out + g * stride (init: from zero, else onto what is there): all heads in one pass for the common shapes,
+// weighted_sum per head otherwise (same bits)
+static inline void weighted_sum_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+                                      int64_t row, int64_t G, int64_t D, float* out, int64_t stride, bool init) {
+  if (D == 64 && G == 3) {  // SmolLM2's shape (9 query heads on 3 KV heads)
+    weighted_rows_heads<3, 4>(p, np, v, slots, n, row, out, stride, init);
+  } else if (D == 64 && G == 2) {
+    weighted_rows_heads<2, 4>(p, np, v, slots, n, row, out, stride, init);
+  } else {
+    for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * np, v, slots, n, row, D, out + g * stride, init);
+  }
+}
+
+// Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
+// padding becomes 0. Returns their sum. One fixed order, whatever the caller.
+static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
+  // the max is exact in any order, so 16 lanes at a time (a serial chain of n compares was a visible cost)
+  float m = sg[0];
+  int64_t j = 0;
+  if (n >= 16) {
+    v16f mv;
+    __builtin_memcpy(&mv, sg, 64);
+    for (j = 16; j + 16 <= n; j += 16) {
+      v16f x;
+      __builtin_memcpy(&x, sg + j, 64);
+      mv = mv > x ? mv : x;
+    }
+    for (int l = 0; l < 16; ++l) m = std::max(m, mv[l]);
+  }
+  for (; j < n; ++j) m = std::max(m, sg[j]);
+  for (int64_t j = n; j < np; ++j) sg[j] = m;
+  for (int64_t j = 0; j < np; j += 16) {
+    v16f e;
+    __builtin_memcpy(&e, sg + j, 64);
+    e = exp16(e - m);
+    __builtin_memcpy(sg + j, &e, 64);
+  }
+  for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
+  v16f acc = v16f{};
+  for (int64_t j = 0; j < np; j += 16) {
+    v16f e;
+    __builtin_memcpy(&e, sg + j, 64);
+    acc += e;
+  }
+  *m_out = m;
+  return hsum(acc);
+}
+
+#if defined(__AVX512F__)
+// the lane sums of four vectors as four floats, by one fixed tree (14 shuffles and adds for 4 sums, against ~8
+// per sum for one vector at a time)
+static inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));  // 128-bit quarter i holds vector i's partial sums
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         0, 0, 0), z));
+}
+
+// scores sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads of one KV head (k at the head's
+// offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 16 keys ahead
+template <int NG, int G>
+static inline void score_rows(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, float scale,
+                       float* sh, int64_t np) {
+  constexpr int64_t D = 16 * NG;
+  __m512 qv[G][NG];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NG; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
+  auto score = [&](const float* kj, int g) {
+    __m512 a = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kj));
+    for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kj + 16 * c), a);
+    return a;
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      if (j + u + 16 < n)
+        for (int c = 0; c < NG; ++c) __builtin_prefetch(k + slots[j + u + 16] * row + 16 * c);
+      const float* kj = k + slots[j + u] * row;
+      for (int g = 0; g < G; ++g) acc[g][u] = score(kj, g);
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(sh + g * np + j, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) sh[g * np + j] = _mm512_reduce_add_ps(score(k + slots[j] * row, g)) * scale;
+}
+
+// the instantiation Pick<NG, G>::fn of a kernel for head width D = 16 NG and G query heads per KV head, for the
+// shapes instantiated here (D 64 with G 1-4, D 128 with G 1-2), or nullptr (then: the callers' general loops)
+template <template <int, int> class Pick>
+static auto for_shape(int64_t D, int64_t G) -> decltype(Pick<4, 1>::fn) {
+  if (D == 64) {
+    switch (G) {
+      case 1: return Pick<4, 1>::fn;
+      case 2: return Pick<4, 2>::fn;
+      case 3: return Pick<4, 3>::fn;
+      case 4: return Pick<4, 4>::fn;
+    }
+  } else if (D == 128) {
+    switch (G) {
+      case 1: return Pick<8, 1>::fn;
+      case 2: return Pick<8, 2>::fn;
+    }
+  }
+  return nullptr;
+}
+
+template <int NG, int G>
+struct ScorePick {
+  static constexpr auto fn = score_rows<NG, G>;
+};
+typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+static inline ScoreFn score_rows_for(int64_t D, int64_t G) { return for_shape<ScorePick>(D, G); }
+#else
+typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+static inline ScoreFn score_rows_for(int64_t, int64_t) { return nullptr; }
+#endif
+
+// sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads q [G, D] of one KV head (k at that head's
+// offset, rows `row` floats apart): score_rows for the common shapes, one dot product per key and head otherwise
+static inline void score_keys(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, int64_t G,
+                       int64_t D, float scale, float* sh, int64_t np) {
+  if (const ScoreFn fn = score_rows_for(D, G)) {
+    fn(q, k, slots, n, row, scale, sh, np);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + slots[j] * row;
+    if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
+    for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
+  }
+}
+
+// A row that sees more than kLongRow positions is attended in chunks of at most kLongRow slots by separate tasks,
+// each keeping its own max m_c, exp-sum s_c and unnormalised sum o_c = sum_j e^(score_j - m_c) v_j, merged in chunk
+// order (FlashDecoding's log-sum-exp reduction): one (row, KV head) task would read the whole context on one core,
+// and a single core cannot stream it at the memory's rate (6k context: 1.6 ms per layer vs 0.7 ms for torch's
+// SDPA). The chunks are of even length, so a row's tasks are of one size: a model with 3 KV heads gives a one-row
+// step 3 tasks unchunked, 2 on one thread and 1 on the other, and 6 or 9 even ones chunked (one row, 30 layers,
+// 1,000 positions: 2.49 -> 1.98 ms; 1,024 positions, once 2 uneven chunks, now 3 even ones: 3.99 -> 2.45 ms).
+// The split depends only on the row's own length, so a token's result still does not depend on the batch.
+constexpr int64_t kLongRow = 512;
+
+// how a row of n positions is chunked: chunks of `len` slots (a multiple of 16), the last one shorter
+struct Chunking {
+  int64_t len, count;
+};
+
+static inline Chunking chunking(int64_t n) {
+  const int64_t even = (n + kLongRow - 1) / kLongRow;  // fewest chunks of at most kLongRow
+  const int64_t len = ((n + even - 1) / even + 15) / 16 * 16;  // <= kLongRow, a multiple of 16
+  return {len, (n + len - 1) / len};
+}
+
+// q: the G query heads of one KV head [G, D]; k, v: that KV head's rows at k + slots[j] * row (so a float cache
+// passes kp + h * D with row = Hkv * D, and a dequantised int8 chunk its own [n, D] scratch with row = D)
+static inline void attend_chunk(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n,
+                                int64_t G, int64_t D, int64_t row, float scale, float* part, std::vector<float>& buf) {
+  // part: G records of [m, s, o[0..D)]
+  const int64_t np = (n + 15) / 16 * 16;
+  if (int64_t(buf.size()) < G * np) buf.resize(G * np);
+  float* sh = buf.data();
+  score_keys(q, k, slots, n, row, G, D, scale, sh, np);
+  for (int64_t g = 0; g < G; ++g) {
+    float* rec = part + g * (D + 2);
+    rec[1] = exp_scores(sh + g * np, n, np, &rec[0]);
+  }
+  weighted_sum_heads(sh, np, v, slots, n, row, G, D, part + 2, D + 2, true);
+}
+
+// out[t] for every row whose partial results sit in parts (G records of [m, s, o] per (row, KV head, chunk), at
+// parts[(first_part[r] + h * chunks + c) * G * (D + 2)]): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c,
+// chunks in order. Rows with no parts (first_part[r] == first_part[r + 1]) are left alone.
+static inline void merge_chunks(const std::vector<float>& parts, const std::vector<int64_t>& first_part,
+                                const int64_t* rp, int64_t R, int64_t Hkv, int64_t G, int64_t D, float* outp) {
+  const int64_t H = Hkv * G, stride = G * (D + 2);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t chunks = (first_part[r + 1] - first_part[r]) / Hkv, t = rp[r];
+    if (chunks == 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* first = parts.data() + (first_part[r] + h * chunks) * stride + g * (D + 2);
+        float m = first[0];
+        for (int64_t c = 1; c < chunks; ++c) m = std::max(m, first[c * stride]);
+        float* og = outp + t * H * D + (h * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) og[i] = 0.f;
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* rec = first + c * stride;
+          const float w = std::exp(rec[0] - m);
+          total += w * rec[1];
+          axpy(w, rec + 2, og, D);
+        }
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < D; ++i) og[i] *= inv;
+      }
+  }
+}
+
+// The tasks of one attention call. A row over more than kLongRow positions (or every row, with chunk_all) is
+// split into chunking(n)'s chunks, whose partial results go to parts[(first_part[r] + h * chunks(r) + c) * G *
+// (D + 2)]; other rows are attended whole (chunk -1). A task is one KV head and one chunk of the rows [r0, r1):
+// one row, or (fused) a run of neighbouring rows whose slot lists agree on their first `shared` entries and that
+// are chunked alike (one sequence's tree or draft rows).
+struct RowTask {
+  int64_t r0, r1, shared, head, chunk;
+};
+
+struct RowTasks {
+  std::vector<int64_t> first_part;
+  std::vector<RowTask> tasks;
+};
+
+static inline int64_t num_chunks(int64_t n, bool chunk_all) {
+  return n > kLongRow || chunk_all ? chunking(n).count : 0;
+}
+
+// how many leading entries the slot lists a[0 .. n) and b agree on
+static inline int64_t common_prefix(const int64_t* a, const int64_t* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n && std::memcmp(a + i, b + i, 64 * sizeof(int64_t)) == 0; i += 64) {
+  }
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots, int64_t R, int64_t Hkv, bool chunk_all,
+                               bool fuse) {
+  RowTasks t;
+  t.first_part.assign(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r)
+    t.first_part[r + 1] = t.first_part[r] + Hkv * num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
+  auto length = [&](int64_t r) { return span[2 * r + 1] - span[2 * r]; };
+  auto geometry = [&](int64_t r) {  // chunk length, or 0 for a row attended whole
+    return num_chunks(length(r), chunk_all) ? chunking(length(r)).len : 0;
+  };
+  const int64_t threads = at::get_num_threads();
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    // Rows that start at the same slot (one sequence's tree or draft rows) read the same K/V. Fused, their
+    // shared keys are read block by block for all of them (attend_run; 30 layers, 1,000 positions, K/V evicted
+    // between calls as a model's weights evict them: 2 / 4 / 8 / 16 rows 3.26 / 4.14 / 5.96 / 10.35 -> 2.87 /
+    // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (the int8 cache, prompts), their tasks go
+    // head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while every
+    // row of the run reads them, instead of each row pulling all heads' K/V through L3 (16 rows at 1,024
+    // positions: 13.8 -> 10.7 ms). Other rows go chunk by chunk, the KV heads of one chunk neighbouring tasks, so
+    // a thread usually takes all of them and the 2nd and 3rd head find the chunk's lines (rows hold every head:
+    // [slot, Hkv, D]) still in L2.
+    for (r1 = r0 + 1; r1 < R && slots[span[2 * r1]] == slots[span[2 * r0]] &&
+                      (!fuse || geometry(r1) == geometry(r0));
+         ++r1) {
+    }
+    const int64_t chunks = num_chunks(length(r0), chunk_all);
+    int64_t shared = 0;
+    if (fuse && r1 - r0 > 1) {
+      shared = length(r0);
+      for (int64_t r = r0 + 1; r < r1; ++r)
+        shared = common_prefix(slots + span[2 * r0], slots + span[2 * r], std::min(shared, length(r)));
+    }
+    // fused where most of what the rows read is shared (not a prompt's causal rows, which share row 0's one slot)
+    if (2 * shared >= length(r1 - 1) && shared >= 64) {
+      // enough tasks for every thread: a run's rows split into slices, each reading the shared keys once
+      const int64_t per_slice = Hkv * std::max<int64_t>(chunks, 1);
+      const int64_t slices = std::clamp<int64_t>((2 * threads + per_slice - 1) / per_slice, 1, r1 - r0);
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
+          for (int64_t i = 0; i < slices; ++i)
+            t.tasks.push_back({r0 + (r1 - r0) * i / slices, r0 + (r1 - r0) * (i + 1) / slices, shared, h, c});
+    } else if (r1 - r0 > 1) {
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t cr = num_chunks(length(r), chunk_all);
+          for (int64_t c = cr ? 0 : -1; c < cr; ++c) t.tasks.push_back({r, r + 1, 0, h, c});
+        }
+    } else {
+      for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
+        for (int64_t h = 0; h < Hkv; ++h) t.tasks.push_back({r0, r0 + 1, 0, h, c});
+    }
+  }
+  return t;
+}
+
+// rows [R], spans [R, 2], slots: int64, contiguous; row r sees slots[spans[r, 0] .. spans[r, 1]) (spans may overlap:
+// a prompt's causal rows share one slot list, each a longer prefix of it). Every row in [0, T) with at least one
+// slot, every slot in [0, num_slots) -- checked once per call, so the kernels can index without bounds checks.
+// Returns the total number of (row, slot) pairs.
+static inline int64_t check_rows(const torch::Tensor& rows, const torch::Tensor& spans, const torch::Tensor& slots,
+                                 int64_t T, int64_t num_slots, const char* what) {
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && spans.scalar_type() == torch::kLong &&
+                  slots.scalar_type() == torch::kLong && rows.is_contiguous() && spans.is_contiguous() &&
+                  slots.is_contiguous() && spans.dim() == 2 && spans.size(1) == 2 && spans.size(0) == rows.numel(),
+              what, ": int64 rows [R], spans [R, 2], slots");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* span = spans.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  int64_t pairs = 0;
+  for (int64_t r = 0; r < rows.numel(); ++r) {
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T && span[2 * r] >= 0 && span[2 * r] < span[2 * r + 1] &&
+                    span[2 * r + 1] <= slots.numel(),
+                what, ": row ", r, " is out of range or sees no position");
+    pairs += span[2 * r + 1] - span[2 * r];
+  }
+  for (int64_t i = 0; i < slots.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, what, ": slot out of range");
+  return pairs;
+}
