@@ -54,11 +54,22 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
   auto query = [&](int64_t i) { return x.q + x.rows[task.r0 + i] * x.H * D + h * G * D; };
   auto own = [&](int64_t i) { return x.slots + x.span[2 * (task.r0 + i)]; };
   auto scores = [&](int64_t i, int64_t j) { return buf.data() + meta[3 * i + 2] + (j - a); };
-  for (int64_t j = a; j < s; j += block)
+  // each pass's first rows are fetched before it (the passes fetch kPrefetchKeys ahead of themselves); a run's
+  // shared blocks, the next block while the rows score this one
+  const int64_t lines = D / 16;
+  prefetch_rows(kh, common + a, std::min(block, s - a), row, lines);
+  for (int64_t j = a; j < s; j += block) {
+    prefetch_rows(kh, common + j + block, std::min(block, s - j - block), row, lines);
     for (int64_t i = 0; i < nr; ++i)
       score_keys(query(i), kh, common + j, std::min(block, s - j), row, G, D, x.scale, scores(i, j), meta[3 * i + 1]);
-  for (int64_t i = 0; i < nr; ++i)
+  }
+  for (int64_t i = 0; i < nr; ++i) {
+    prefetch_rows(kh, own(i) + s, meta[3 * i] - s, row, lines);
     score_keys(query(i), kh, own(i) + s, meta[3 * i] - s, row, G, D, x.scale, scores(i, s), meta[3 * i + 1]);
+  }
+  // the V passes' first rows start coming while the softmax runs
+  if (s > a) prefetch_rows(vh, common + a, std::min(block, s - a), row, lines);
+  for (int64_t i = 0; i < nr; ++i) prefetch_rows(vh, own(i) + s, meta[3 * i] - s, row, lines);
   std::vector<float*> dst(nr);
   const int64_t stride = c < 0 ? D : D + 2;
   for (int64_t i = 0; i < nr; ++i) {
@@ -81,10 +92,12 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
       }
     }
   }
-  for (int64_t j = a; j < s; j += block)
+  for (int64_t j = a; j < s; j += block) {
+    prefetch_rows(vh, common + j + block, std::min(block, s - j - block), row, lines);
     for (int64_t i = 0; i < nr; ++i)
       weighted_sum_heads(scores(i, j), meta[3 * i + 1], vh, common + j, std::min(block, s - j), row, G, D, dst[i],
                          stride, j == a);
+  }
   for (int64_t i = 0; i < nr; ++i)
     if (meta[3 * i] > s)
       weighted_sum_heads(scores(i, s), meta[3 * i + 1], vh, own(i) + s, meta[3 * i] - s, row, G, D, dst[i], stride,
