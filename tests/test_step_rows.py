@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from leapdecode.bench import step_rows
 
@@ -30,3 +31,20 @@ def test_step_rows_times_both_shapes_and_writes_tables_json_and_plot(tiny_model_
     assert all(len(v) == 2 and min(v) > 0 for v in run["seconds"].values())
     assert "Decode throughput" in Path(out_base + ".md").read_text()
     assert Path(out_base + ".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_step_rows_builds_its_engines_with_the_kv_cache_asked_for(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    real, caches = step_rows.LLM, []
+
+    def llm(**kwargs):
+        made = real(**kwargs)
+        caches.append(made.engine.kv_cache)
+        return made
+
+    monkeypatch.setattr(step_rows, "LLM", llm)
+    assert step_rows.main(["--model", str(tiny_model_dir), "--linear-kernels", "auto", "--rows", "1,2",
+                           "--context", "20", "--repeats", "1", "--shapes", "batch", "--kv-cache-dtype", "int8"]) == 0
+    assert "| leapdecode auto, int8 KV, batch | " in capsys.readouterr().out
+    assert len(caches) == 1 and caches[0].dtype == torch.int8

@@ -27,6 +27,7 @@ import torch
 
 from leapdecode.bench.external import llamacpp_step_costs, run_isolated
 from leapdecode.bench.hardware import machine_info
+from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.eval.plotting import pyplot
 from leapdecode.layers import int8_gemm
@@ -87,12 +88,14 @@ def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[
     series: dict[str, list[float]] = {}
     path = None
     for kernel in (k for k in a.linear_kernels.split(",") if k):
-        llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)))
+        llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)),
+                  kv_cache_dtype=a.kv_cache_dtype)
         path = str(llm.engine.model_path)
         if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
             print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
         for shape in shapes:
-            label = f"leapdecode {kernel}, {shape}"
+            kv = "" if a.kv_cache_dtype == "auto" else f", {a.kv_cache_dtype} KV"
+            label = f"leapdecode {kernel}{kv}, {shape}"
             series[label] = step_costs(llm, rows, a.context, shape, a.repeats)
             print(format_row(label, series[label]), flush=True)
         del llm
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma list of row counts (the first is the 1x)")
     p.add_argument("--shapes", default="tree,batch", help=f"comma list of: {', '.join(SHAPES)}")
     p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the engines' KV cache (int8: quantized on write, lossy; the batch shape reads it per sequence)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--compare", default="", help="llama.cpp: its time to evaluate n tokens after the context")
