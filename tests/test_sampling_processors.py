@@ -279,3 +279,18 @@ def test_tree_verification_applies_the_processors_along_each_path(plain, tmp_pat
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert sum(g.metrics.num_accepted_tokens for g in got) > 0
     assert_no_leaks(spec)
+
+
+def test_stack_rows_views_consecutive_rows_and_copies_the_others():
+    from leapdecode.engine.sampling import stack_rows
+
+    logits = torch.randn(6, 11)
+    rows = [logits[i : i + 1][-1] for i in range(1, 5)]  # a step's decode rows: row i of one forward's logits
+    stacked = stack_rows(rows)
+    shared = logits.untyped_storage().data_ptr()
+    assert torch.equal(stacked, logits[1:5]) and stacked.untyped_storage().data_ptr() == shared
+    # not consecutive rows of one tensor: gaps, out of order, another tensor, a strided column
+    for other in ([logits[1], logits[3]], [logits[2], logits[1]], [logits[0], torch.randn(11)],
+                  [logits[0, :5], logits[0, 6:11]], [logits[:, 0], logits[:, 1]]):
+        out = stack_rows(other)
+        assert torch.equal(out, torch.stack(other)) and out.untyped_storage().data_ptr() != shared

@@ -24,7 +24,7 @@ from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.kv_calibration import calibrate_int8_keys, calibration_token_lists
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult, ModelRunner
 from leapdecode.engine.output_assembly import EngineStats, OutputAssembler
-from leapdecode.engine.sampling import sample_rows
+from leapdecode.engine.sampling import sample_rows, stack_rows
 from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
 from leapdecode.engine.sequence import Sequence
 from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
@@ -509,7 +509,7 @@ class LLMEngine:
         """Sample one token per sequence (one batch; each alone when the batch raises, failing the requests whose
         own sampling raises) and append it."""
         try:
-            drawn = list(zip(*self.sample(seqs, torch.stack(logits))))
+            drawn = list(zip(*self.sample(seqs, stack_rows(logits))))
         except Exception:
             drawn = [self._alone(q, lambda q=q, row=row: [x[0] for x in self.sample([q], row.unsqueeze(0))])
                      for q, row in zip(seqs, logits)]

@@ -20,6 +20,21 @@ from leapdecode.layers.sampler import apply_processors, position_logprobs, proce
 from leapdecode.outputs import PositionLogprobs
 
 
+def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(rows)`` of 1-D rows, without the copy where they are consecutive rows of one tensor, as a step's
+    decode rows are of its forward's logits (16 rows of a 49,152-token vocabulary: a 3 MB copy, ~0.3 ms of a batched
+    step). The result may then share their memory; sampling never writes into it."""
+    first = rows[0]
+    n = first.numel()
+    base = first.untyped_storage().data_ptr()
+    if first.dim() == 1 and all(
+            r.dim() == 1 and r.numel() == n and r.stride() == (1,) and r.dtype == first.dtype
+            and r.device == first.device and r.untyped_storage().data_ptr() == base
+            and r.storage_offset() == first.storage_offset() + i * n for i, r in enumerate(rows)):
+        return first.as_strided((len(rows), n), (n, 1))
+    return torch.stack(rows)
+
+
 def sample_rows(
     seqs: list[Sequence], logits: torch.Tensor, generator: torch.Generator,
     decode_token: Callable[[int], str | None],
@@ -70,4 +85,4 @@ def _logprob_rows(seqs: list[Sequence], logits: torch.Tensor, want: list[int], r
     return out
 
 
-__all__ = ["sample_rows"]
+__all__ = ["sample_rows", "stack_rows"]
