@@ -7,6 +7,7 @@ import json
 import sys
 
 from leapdecode.cli_args import EPILOG, add_model_args
+from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.outputs import RequestMetrics
 
 
@@ -98,18 +99,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply(args.message)
         return 0
     print("leapdecode chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if not user.strip():
-            return 0
-        if user.strip() == "/reset":
-            del history[1 if args.system else 0 :]
-            continue
-        reply(user)
+    with startup_heap_frozen():  # no full collection of the start-up heap between two tokens (gc_heap.py)
+        while True:
+            try:
+                user = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if not user.strip():
+                return 0
+            if user.strip() == "/reset":
+                del history[1 if args.system else 0 :]
+                continue
+            reply(user)
 
 
 def build_parser() -> argparse.ArgumentParser:

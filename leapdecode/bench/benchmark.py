@@ -30,6 +30,7 @@ from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
 from leapdecode.eval.prompts import load_prompt_set
+from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.layers import int8_gemm
 from leapdecode.layers.small_gemm import packed_formats
 from leapdecode.llm import LLM
@@ -321,8 +322,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 cfg = {**cfg, **overrides.get(m, {})}
             llm = kbase if cfg is None else LLM.from_engine_of(kbase, speculative_config=cfg)
             engines.append((f"{m} [{tag}]" if tag else m, tag, llm))
-    results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
-                             batched=not args.no_batched)
+    with startup_heap_frozen():  # no full collection of the start-up heap inside a timed request (gc_heap.py)
+        results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
+                                 batched=not args.no_batched)
     for (_, tag, _), (r1, rb) in zip(engines, results):
         for r in (r1, rb):
             if r:

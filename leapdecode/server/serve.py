@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from leapdecode.cli_args import EPILOG, add_model_args
 from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
+from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.models.loader import resolve_model
 from leapdecode.server.defaults import (
     DEFAULT_BODY_READ_TIMEOUT_S,
@@ -199,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app, args.host, args.port, args.log_level, on_ready=ready, limit_concurrency=args.limit_concurrency
     )
     try:
-        server.run()
+        with startup_heap_frozen():  # no full collection of the start-up heap while serving (gc_heap.py)
+            server.run()
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught
         pass
     return 0
