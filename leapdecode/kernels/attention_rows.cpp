@@ -104,6 +104,8 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
                          s == a);
 }
 
+// q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D]; row t = rows[r] attends to slots[spans[r, 0] .. spans[r, 1])
+// (in position order) and its [H, D] result is written to out[t]; other rows of out are left alone.
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
