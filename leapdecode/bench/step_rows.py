@@ -93,8 +93,8 @@ def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[
         path = str(llm.engine.model_path)
         if getattr(llm.engine.model, "int8_activations", False) and int8_gemm.amx_rows():
             print(f"{kernel}: AMX tiles from {int8_gemm.amx_rows()} rows (measured at start-up)", flush=True)
+        kv = "" if a.kv_cache_dtype == "auto" else f", {a.kv_cache_dtype} KV"
         for shape in shapes:
-            kv = "" if a.kv_cache_dtype == "auto" else f", {a.kv_cache_dtype} KV"
             label = f"leapdecode {kernel}{kv}, {shape}"
             series[label] = step_costs(llm, rows, a.context, shape, a.repeats)
             print(format_row(label, series[label]), flush=True)
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="tree,batch", help=f"comma list of: {', '.join(SHAPES)}")
     p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the engines' KV cache (int8: quantized on write, lossy; the batch shape reads it per sequence)")
+                   help="the engines' KV cache (int8: quantized on write, lossy; the batch shape reads it per "
+                        "sequence)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--compare", default="", help="llama.cpp: its time to evaluate n tokens after the context")

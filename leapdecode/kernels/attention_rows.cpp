@@ -70,17 +70,15 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
   // the V passes' first rows start coming while the softmax runs
   if (s > a) prefetch_rows(vh, common + a, std::min(block, s - a), row, lines);
   for (int64_t i = 0; i < nr; ++i) prefetch_rows(vh, own(i) + s, meta[3 * i] - s, row, lines);
-  std::vector<float*> dst(nr);
+  // row i's chunk record (G of [m, s, o]; chunked rows) and where its weighted sums go: its output, or the record
+  auto part = [&](int64_t i) {
+    const int64_t r = task.r0 + i;
+    return x.parts + (x.first_part[r] + h * ((x.first_part[r + 1] - x.first_part[r]) / x.Hkv) + c) * G * (D + 2);
+  };
+  auto dst = [&](int64_t i) { return c < 0 ? x.out + x.rows[task.r0 + i] * x.H * D + h * G * D : part(i) + 2; };
   const int64_t stride = c < 0 ? D : D + 2;
   for (int64_t i = 0; i < nr; ++i) {
-    const int64_t r = task.r0 + i, m = meta[3 * i] - a, np = meta[3 * i + 1];
-    float* part = nullptr;
-    if (c < 0) {
-      dst[i] = x.out + x.rows[r] * x.H * D + h * G * D;
-    } else {
-      part = x.parts + (x.first_part[r] + h * ((x.first_part[r + 1] - x.first_part[r]) / x.Hkv) + c) * G * (D + 2);
-      dst[i] = part + 2;
-    }
+    const int64_t m = meta[3 * i] - a, np = meta[3 * i + 1];
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores(i, a) + g * np;
       if (c < 0) {
@@ -88,19 +86,20 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
         const float inv = 1.f / exp_scores(sg, m, np, &mx);
         for (int64_t j = 0; j < m; ++j) sg[j] *= inv;
       } else {
-        part[g * (D + 2) + 1] = exp_scores(sg, m, np, &part[g * (D + 2)]);
+        float* rec = part(i) + g * (D + 2);
+        rec[1] = exp_scores(sg, m, np, &rec[0]);
       }
     }
   }
   for (int64_t j = a; j < s; j += block) {
     prefetch_rows(vh, common + j + block, std::min(block, s - j - block), row, lines);
     for (int64_t i = 0; i < nr; ++i)
-      weighted_sum_heads(scores(i, j), meta[3 * i + 1], vh, common + j, std::min(block, s - j), row, G, D, dst[i],
+      weighted_sum_heads(scores(i, j), meta[3 * i + 1], vh, common + j, std::min(block, s - j), row, G, D, dst(i),
                          stride, j == a);
   }
   for (int64_t i = 0; i < nr; ++i)
     if (meta[3 * i] > s)
-      weighted_sum_heads(scores(i, s), meta[3 * i + 1], vh, own(i) + s, meta[3 * i] - s, row, G, D, dst[i], stride,
+      weighted_sum_heads(scores(i, s), meta[3 * i + 1], vh, own(i) + s, meta[3 * i] - s, row, G, D, dst(i), stride,
                          s == a);
 }
 

@@ -323,13 +323,12 @@ static inline int64_t common_prefix(const int64_t* a, const int64_t* b, int64_t 
   return i;
 }
 
-static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots, int64_t R, int64_t Hkv, bool chunk_all,
-                               bool fuse) {
+static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots, int64_t R, int64_t Hkv,
+                                      bool chunk_all, bool fuse) {
+  auto length = [&](int64_t r) { return span[2 * r + 1] - span[2 * r]; };
   RowTasks t;
   t.first_part.assign(R + 1, 0);
-  for (int64_t r = 0; r < R; ++r)
-    t.first_part[r + 1] = t.first_part[r] + Hkv * num_chunks(span[2 * r + 1] - span[2 * r], chunk_all);
-  auto length = [&](int64_t r) { return span[2 * r + 1] - span[2 * r]; };
+  for (int64_t r = 0; r < R; ++r) t.first_part[r + 1] = t.first_part[r] + Hkv * num_chunks(length(r), chunk_all);
   auto geometry = [&](int64_t r) {  // chunk length, or 0 for a row attended whole
     return num_chunks(length(r), chunk_all) ? chunking(length(r)).len : 0;
   };
