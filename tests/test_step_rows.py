@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from leapdecode.bench import step_rows
+from leapdecode.bench.hardware import macs_per_row, measure_peak_macs
+from leapdecode.layers.int8_gemm import int8_activation_isa
+from leapdecode.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from leapdecode.llm import LLM
 
 
 def test_throughput_is_sequences_per_step_time() -> None:
@@ -31,6 +35,28 @@ def test_step_rows_times_both_shapes_and_writes_tables_json_and_plot(tiny_model_
     assert all(len(v) == 2 and min(v) > 0 for v in run["seconds"].values())
     assert "Decode throughput" in Path(out_base + ".md").read_text()
     assert Path(out_base + ".png").read_bytes()[:4] == b"\x89PNG"
+    if int8_activation_isa() in ("avx512-vnni", "avx2"):  # the kernels are built for an instruction to measure
+        (label, floor), = run["floor_seconds"].items()
+        assert label.startswith("auto: floor: ") and "float32 peak" in label and "Floor of a step" in out
+        # one row's floor is its weight stream at least; three rows' multiply-adds take 3x one row's
+        assert floor[1] >= floor[0] > 0
+
+
+def test_macs_per_row_counts_every_projection_and_the_head(tiny_model_dir: Path) -> None:
+    model = LLM(model=str(tiny_model_dir), linear_kernel="torch").engine.model
+    projections = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, projections))
+    cfg = model.config
+    assert weights > 0 and macs_per_row(cfg) == weights + cfg.vocab_size * cfg.hidden_size
+
+
+@pytest.mark.skipif(int8_activation_isa() not in ("avx512-vnni", "avx2"), reason="no vector kernels built here")
+def test_arithmetic_peak_is_measured_for_both_kernels_and_refuses_other_kinds() -> None:
+    int8, fp32 = measure_peak_macs("int8", 0.05), measure_peak_macs("float32", 0.05)
+    # any x86 CPU with AVX2 makes billions of multiply-adds per second per thread with either instruction
+    assert int8 is not None and fp32 is not None and min(int8, fp32) > 1e9
+    with pytest.raises(RuntimeError, match="kind must be"):
+        measure_peak_macs("bfloat16")  # type: ignore[arg-type]
 
 
 def test_step_rows_builds_its_engines_with_the_kv_cache_asked_for(tiny_model_dir: Path,

@@ -1,5 +1,6 @@
 """What a benchmark says about the machine and the model it ran on: the hardware line every table header carries,
-the measured read bandwidth, and the weight bytes a decode step reads."""
+the measured read bandwidth and arithmetic peak, and what a step of the model must read (weight bytes) and
+compute (multiply-adds per row): together the floor under a step's time."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import os
 import platform
 import statistics
 import time
+from typing import Literal
 
 import torch
+
+from leapdecode.kernels import extension
+from leapdecode.models.config import ModelConfig
+
+PeakKind = Literal["int8", "float32"]
 
 
 def machine_info() -> str:
@@ -56,4 +63,23 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return total
 
 
-__all__ = ["machine_info", "measure_bandwidth_gbps", "weight_bytes_per_step"]
+def measure_peak_macs(kind: PeakKind, seconds: float = 0.2) -> float | None:
+    """Multiply-adds per second that all threads reach together with the instruction the projection kernels are
+    built on, doing nothing else: ``"int8"`` (AVX-512 VNNI, or AVX2's three-instruction form), ``"float32"`` (FMA).
+    None where the kernels are not built, or are the portable loop (no fixed instruction to measure)."""
+    ext = extension.load_kernel()
+    rate = ext.isa_peak_macs(kind, seconds) if ext is not None else 0.0
+    return rate or None
+
+
+def macs_per_row(cfg: ModelConfig) -> int:
+    """Multiply-adds of one row through a decoder's projections: per layer QKV, the attention output, gate/up and
+    down; then the LM head (attention itself, norms and activations are not counted)."""
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    per_layer = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
+
+
+__all__ = ["PeakKind", "machine_info", "macs_per_row", "measure_bandwidth_gbps", "measure_peak_macs",
+           "weight_bytes_per_step"]

@@ -10,8 +10,11 @@ speculative cost model times its steps):
 Each cell is the median of ``--repeats`` timings in milliseconds and its ratio to the one-row step. With
 ``--compare llama.cpp`` llama.cpp's time to evaluate n tokens after the same context (its verification curve, in a
 child process) is added, so the ratios sit side by side in one run. The batch shape is also printed as decode
-throughput (n sequences' tokens per second of their step). ``--out OUT`` writes the tables to OUT.md, the timings
-to OUT.json and the curves to OUT.png.
+throughput (n sequences' tokens per second of their step). Under each kernel's rows sits its floor: the larger
+of reading the weights once at the measured bandwidth and the rows' projection multiply-adds at the arithmetic
+peak measured for the kernel's instruction (int8 VNNI / AVX2, float32 FMA) on all threads at once; a step within
+a few tenths of its floor has little left to gain from its kernels. ``--out OUT`` writes the tables to OUT.md, the
+timings to OUT.json and the curves to OUT.png.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from pathlib import Path
 import torch
 
 from leapdecode.bench.external import llamacpp_step_costs, run_isolated
-from leapdecode.bench.hardware import machine_info
+from leapdecode.bench.hardware import (
+    machine_info,
+    macs_per_row,
+    measure_bandwidth_gbps,
+    measure_peak_macs,
+    weight_bytes_per_step,
+)
 from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.engine.model_runner import ForwardItem
 from leapdecode.eval.plotting import pyplot
@@ -83,9 +92,31 @@ def format_throughput(label: str, rows: list[int], costs: list[float]) -> str:
     return f"| {label} | " + " | ".join(f"{r:.0f} ({r / rates[0]:.2f}x)" for r in rates) + " |"
 
 
-def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[str | None, dict[str, list[float]]]:
-    """The model's path and, per series (system, kernel, shape), the median seconds of each row count's step."""
+def step_floor(llm: LLM, rows: list[int]) -> tuple[str, list[float]] | None:
+    """The floor under a step of each row count for this engine's kernels: the larger of reading its weights
+    once at the measured bandwidth and its rows' projection multiply-adds at the measured arithmetic peak of the
+    kernels' instruction (int8: VNNI or AVX2; float32: FMA). Attention and the rest of a step come on top. None
+    where the peak cannot be measured (no built kernels, a GPU)."""
+    eng = llm.engine
+    if eng.device.type != "cpu":
+        return None
+    kind = "int8" if getattr(eng.model, "int8_activations", False) else "float32"
+    peak = measure_peak_macs(kind)
+    if peak is None:
+        return None
+    stream = weight_bytes_per_step(eng.model) / (measure_bandwidth_gbps(eng.device) * 1e9)
+    macs = macs_per_row(eng.model.config)
+    label = (f"floor: {macs / 1e6:.0f}M multiply-adds per row at {peak / 1e9:.0f} G/s ({kind} peak), "
+             f"{stream * 1e3:.2f} ms weight stream")
+    return label, [max(stream, n * macs / peak) for n in rows]
+
+
+def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[str | None, dict[str, list[float]],
+                                                                               dict[str, list[float]]]:
+    """The model's path; per series (system, kernel, shape) the median seconds of each row count's step; per
+    kernel its floor (step_floor), labelled with what it is made of."""
     series: dict[str, list[float]] = {}
+    floors: dict[str, list[float]] = {}
     path = None
     for kernel in (k for k in a.linear_kernels.split(",") if k):
         llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)),
@@ -98,16 +129,21 @@ def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[
             label = f"leapdecode {kernel}{kv}, {shape}"
             series[label] = step_costs(llm, rows, a.context, shape, a.repeats)
             print(format_row(label, series[label]), flush=True)
+        floor = step_floor(llm, rows)
+        if floor is not None:
+            floors[f"{kernel}: {floor[0]}"] = floor[1]
         del llm
     if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
         costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")
         if costs:
             series[LLAMACPP] = costs
-    return path, series
+    return path, series, floors
 
 
-def tables(path: str | None, rows: list[int], series: dict[str, list[float]], context: int) -> str:
-    """The step-cost table (ms, x one row) and, for the batch shape, the decode-throughput table."""
+def tables(path: str | None, rows: list[int], series: dict[str, list[float]], context: int,
+           floors: dict[str, list[float]] | None = None) -> str:
+    """The step-cost table (ms, x one row), for the batch shape the decode-throughput table, and each kernel's
+    floor (ms, x its own one-row floor)."""
     out = [f"{path}: {torch.get_num_threads()} threads, {context} cached tokens; median ms per step (x one row)", "",
            "| system, kernel, shape | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---|" + "---|" * len(rows)]
     out += [format_row(label, costs) for label, costs in series.items()]
@@ -116,13 +152,23 @@ def tables(path: str | None, rows: list[int], series: dict[str, list[float]], co
         out += ["", "Decode throughput of the batch shape: tokens/s of n sequences' step (x the first row count)", "",
                 "| kernel | " + " | ".join(f"batch {r}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
         out += [format_throughput(label, rows, costs) for label, costs in batch.items()]
+    if floors:
+        out += ["", "Floor of a step's projections: the larger of the weight stream and the rows' multiply-adds at "
+                "the arithmetic peak (ms, x one row's floor); attention and the rest come on top", "",
+                "| kernel: floor | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+        out += [format_row(label, costs) for label, costs in floors.items()]
     return "\n".join(out)
 
 
-def write_plot(png: Path, title: str, rows: list[int], series: dict[str, list[float]]) -> None:
-    """ms per step and its ratio to one row, by rows (log scale), one line per series."""
+def write_plot(png: Path, title: str, rows: list[int], series: dict[str, list[float]],
+               floors: dict[str, list[float]] | None = None) -> None:
+    """ms per step and its ratio to one row, by rows (log scale), one line per series; each kernel's floor as a
+    thin grey line on the ms side."""
     plt = pyplot()
     fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for label, costs in (floors or {}).items():
+        ax_ms.plot(rows, [c * 1e3 for c in costs], "-.", color="grey", linewidth=0.8,
+                   label=label.split(":")[0] + ": floor")
     for label, costs in series.items():
         style = "--" if label == LLAMACPP else ":" if label.endswith("batch") else "-"
         ax_ms.plot(rows, [c * 1e3 for c in costs], style, marker="o", label=label)
@@ -135,6 +181,8 @@ def write_plot(png: Path, title: str, rows: list[int], series: dict[str, list[fl
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     ax_x.legend(fontsize=7)
+    if floors:
+        ax_ms.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -162,17 +210,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rows: positive integers; --shapes: tree, batch; --compare: llama.cpp")
     if a.out:
         pyplot()  # a missing matplotlib fails before the timings, not after them
-    path, series = measure(a, rows, shapes)
-    text = tables(path, rows, series, a.context)
+    path, series, floors = measure(a, rows, shapes)
+    text = tables(path, rows, series, a.context, floors)
     print("\n" + text)
     if a.out:
         cpu = machine_info()
         Path(a.out + ".md").write_text(f"CPU: {cpu}\n\n{text}\n")
         Path(a.out + ".json").write_text(json.dumps({
             "model": path, "cpu": cpu, "threads": torch.get_num_threads(), "context": a.context, "rows": rows,
-            "repeats": a.repeats, "seconds": series}, indent=1))
+            "repeats": a.repeats, "seconds": series, "floor_seconds": floors}, indent=1))
         name = Path(path).name if path else "model"
-        write_plot(Path(a.out + ".png"), f"step cost by rows: {name}, {a.context} cached tokens\n{cpu}", rows, series)
+        write_plot(Path(a.out + ".png"), f"step cost by rows: {name}, {a.context} cached tokens\n{cpu}", rows, series,
+                   floors)
     return 0
 
 

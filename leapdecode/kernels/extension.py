@@ -5,7 +5,7 @@ Each source has its Python wrapper: ``layers/small_gemm.py`` (small_gemm.cpp), `
 (int8_gemm.cpp, amx_int8.cpp), ``layers/block_formats.py`` (gguf_blocks.cpp), ``layers/layer_ops.py``
 (layer_ops.cpp), ``layers/attention_rows.py`` (attention_rows.cpp, attention_rows_i8.cpp), ``layers/int8_kv.py``
 (int8_kv.cpp) and ``layers/decoder_stack.py`` (decoder_stack.cpp); ``speculative/methods/suffix.py`` uses
-suffix_index.cpp's class.
+suffix_index.cpp's class, ``bench/hardware.py`` isa_peak.cpp's probe.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from leapdecode.kernels.build import load_extension
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = [KERNELS / name for name in ("small_gemm.cpp", "int8_gemm.cpp", "amx_int8.cpp", "gguf_blocks.cpp",
                                        "layer_ops.cpp", "attention_rows.cpp", "attention_rows_i8.cpp", "int8_kv.cpp",
-                                       "decoder_stack.cpp", "suffix_index.cpp")]  # one build, one load
+                                       "decoder_stack.cpp", "suffix_index.cpp", "isa_peak.cpp")]  # one build, one load
 ext = None
 _error: str | None = None
 

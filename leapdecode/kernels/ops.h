@@ -57,5 +57,7 @@ torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights,
                             torch::Tensor slot_mapping, std::vector<torch::Tensor> row_sets,
                             std::vector<int64_t> windowed, int64_t num_heads, int64_t num_kv_heads, double eps,
                             double scale, bool gelu);
+// isa_peak.cpp: multiply-adds per second of all threads with the int8 or float32 kernels' instruction
+double isa_peak_macs(const std::string& kind, double seconds);
 // suffix_index.cpp: one request's suffix trie for suffix drafting (a Python class)
 void bind_suffix_index(pybind11::module& m);

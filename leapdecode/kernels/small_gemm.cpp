@@ -519,6 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_a8_amx_rows", &set_a8_amx_rows, "the fewest rows a8_linear runs on AMX tiles (0: never)");
   m.def("a8_amx_available", &a8_amx_available, "whether AMX-INT8 tiles are usable here (CPU and OS grant)");
   m.def("a8_amx_rows", &a8_amx_rows, "that setting where AMX tiles are usable here, else 0");
+  m.def("isa_peak_macs", &isa_peak_macs, "multiply-adds per second of all threads: int8 (VNNI / AVX2) or float32 FMA");
   m.def("a8_isa", &a8_isa, "what a8_linear was built for: avx512-vnni, avx2, or portable (a slow scalar loop)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
   m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
