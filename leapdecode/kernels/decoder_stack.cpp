@@ -3,10 +3,46 @@
 // layer.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
 #include "ops.h"
+
+// The glue between the kernels, without a torch op each: a step of one row spends more time in the dispatcher
+// than in these copies and sums. Both give the bits the torch ops they replace give (a copy; one rounding per sum,
+// and x + y == y + x in IEEE arithmetic).
+
+// cache[slot_mapping[t]] = src[t] for each row t of src [T, Hkv, D] (rows may be strided, each row contiguous), as
+// cache.index_copy_(0, slot_mapping, src) does
+static void write_cache_rows(torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& src) {
+  const int64_t T = src.size(0), row = cache.size(1) * cache.size(2), num_slots = cache.size(0);
+  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat32 && src.scalar_type() == torch::kFloat32 &&
+                  src.dim() == 3 && src.size(1) * src.size(2) == row && src.stride(2) == 1 &&
+                  src.stride(1) == src.size(2) && slot_mapping.numel() == T &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "decoder_layer: K/V rows [T, Hkv, D] float32 with contiguous rows, a cache [slots, Hkv, D], T slots");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const float* from = src.data_ptr<float>();
+  float* to = cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decoder_layer: slot ", slot[t], " out of range [0, ",
+                num_slots, ")");
+    std::memcpy(to + slot[t] * row, from + t * src.stride(0), row * sizeof(float));
+  }
+}
+
+// y += x, both [T, N] contiguous float32: the residual sum, in y's storage
+static torch::Tensor add_rows_(torch::Tensor y, const torch::Tensor& x) {
+  TORCH_CHECK(y.sizes() == x.sizes() && y.is_contiguous() && x.is_contiguous() &&
+                  y.scalar_type() == torch::kFloat32 && x.scalar_type() == torch::kFloat32,
+              "decoder_layer: residual sum of two contiguous float32 [T, N] tensors");
+  float* __restrict dst = y.data_ptr<float>();
+  const float* __restrict src = x.data_ptr<float>();
+  const int64_t n = y.numel();
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+  return y;
+}
 
 // w = [input_norm, qkv_packed, o_packed, post_attention_norm, gate_up_packed, down_packed].
 // the parts of a decoder layer around attention, shared by decoder_layer and decoder_layer_i8: the fused QKV
@@ -22,8 +58,8 @@ static torch::Tensor layer_qkv(const torch::Tensor& x, const std::vector<torch::
 
 static torch::Tensor layer_out(const torch::Tensor& x, const torch::Tensor& attn, const std::vector<torch::Tensor>& w,
                                double eps) {
-  auto h = x + packed_linear(attn, w[2]);
-  return h + packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]);
+  const auto h = add_rows_(packed_linear(attn, w[2]), x);
+  return add_rows_(packed_linear(silu_mul(packed_linear(rms_norm(h, w[3], eps), w[4])), w[5]), h);
 }
 
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::optional<torch::Tensor> qkv_bias,
@@ -34,9 +70,9 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::
   const int64_t T = x.size(0), d = k_cache.size(2);
   auto qkv = layer_qkv(x, w, qkv_bias, cos, sin_signed, num_heads + num_kv_heads, eps);
   auto q = qkv.narrow(1, 0, num_heads * d).contiguous().view({T, num_heads, d});
-  k_cache.index_copy_(0, slot_mapping, qkv.narrow(1, num_heads * d, num_kv_heads * d).view({T, num_kv_heads, d}));
-  v_cache.index_copy_(0, slot_mapping,
-                      qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({T, num_kv_heads, d}));
+  write_cache_rows(k_cache, slot_mapping, qkv.narrow(1, num_heads * d, num_kv_heads * d).view({T, num_kv_heads, d}));
+  write_cache_rows(v_cache, slot_mapping,
+                   qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d).view({T, num_kv_heads, d}));
   auto o = torch::empty_like(q);
   attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, o);
   return layer_out(x, o.view({T, num_heads * d}), w, eps);
@@ -91,15 +127,15 @@ static torch::Tensor normed_layer(torch::Tensor x, const std::vector<torch::Tens
   }
   rope_(qk, cos, sin_signed, H + Hkv);
   auto q = qk.narrow(1, 0, H * d).contiguous().view({T, H, d});
-  k_cache.index_copy_(0, slot_mapping, qk.narrow(1, H * d, Hkv * d).view({T, Hkv, d}));
-  v_cache.index_copy_(0, slot_mapping, v);
+  write_cache_rows(k_cache, slot_mapping, qk.narrow(1, H * d, Hkv * d).view({T, Hkv, d}));
+  write_cache_rows(v_cache, slot_mapping, v);
   auto o = torch::empty_like(q);
   attention_rows(q, k_cache, v_cache, rows[0], rows[1], rows[2], scale, o);
   auto a = packed_linear(o.view({T, H * d}), w[2]);
-  const auto h = x + (norms[2].numel() ? rms_norm(a, norms[2], eps) : a);
+  const auto h = add_rows_(norms[2].numel() ? rms_norm(a, norms[2], eps) : a, x);
   const auto up = packed_linear(rms_norm(h, w[3], eps), w[4]);
   const auto m = packed_linear(gelu ? gelu_tanh_mul(up) : silu_mul(up), w[5]);
-  return h + (norms[3].numel() ? rms_norm(m, norms[3], eps) : m);
+  return add_rows_(norms[3].numel() ? rms_norm(m, norms[3], eps) : m, h);
 }
 
 // A run of decoder layers for one step in one call: decoder_layer (float32 cache) or decoder_layer_i8 (int8
