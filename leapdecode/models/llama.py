@@ -214,8 +214,10 @@ class LlamaForCausalLM(nn.Module):
         self.local_rope = None
         if cfg.local_rope_theta is not None and (cfg.local_rope_theta != cfg.rope_theta or cfg.rope_scaling):
             self.local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
-        # per run of layers: its DecoderLayers and, once packed, their flattened C++ arguments (_layer_stack)
-        self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], decoder_stack.StackWeights | None]] = {}
+        # per run of layers: its DecoderLayers, their attention windows and, once packed, their flattened C++
+        # arguments (_layer_stack)
+        self._stack_weights: dict[tuple[int, int], tuple[list[DecoderLayer], set[int | None],
+                                                          decoder_stack.StackWeights | None]] = {}
 
     def forward(
         self,
@@ -264,18 +266,18 @@ class LlamaForCausalLM(nn.Module):
         its engine through here."""
         if not (len(run) and run.step == 1 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == torch.float32):
             return None
-        windows = {self.layers[i].self_attn.window for i in run}
+        key = (run.start, run.stop)
+        if key not in self._stack_weights:  # the layers and their windows are fixed once the model is built
+            layers = [self.layers[i] for i in run]
+            self._stack_weights[key] = layers, {layer.self_attn.window for layer in layers}, None
+        layers, windows, weights = self._stack_weights[key]
         if len(windows - {None}) > 1 or not all(meta.for_window(w).all_kernel_rows() for w in windows):
             return None  # two slot lists serve the layers of the call: global, and one sliding window
-        key = (run.start, run.stop)
-        if key not in self._stack_weights:
-            self._stack_weights[key] = [self.layers[i] for i in run], None
-        layers, weights = self._stack_weights[key]
         if not all(layer.use_kernel and not (layer._forward_hooks or layer._forward_pre_hooks) for layer in layers):
             return None  # (a layer with hooks must be called as a module, or its hooks would not run)
         if weights is None:  # gathered once every layer has its packed weights (kernel_plan.apply_plan)
             weights = decoder_stack.stack_weights([layer.fused_args() for layer in layers])
-            self._stack_weights[key] = layers, weights
+            self._stack_weights[key] = layers, windows, weights
         planes = [fused_kv(kv_caches[i]) for i in run]
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
