@@ -166,8 +166,8 @@ def write_plot(png: Path, title: str, rows: list[int], series: dict[str, list[fl
     thin grey line on the ms side."""
     plt = pyplot()
     fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for label, costs in (floors or {}).items():
-        ax_ms.plot(rows, [c * 1e3 for c in costs], "-.", color="grey", linewidth=0.8,
+    for i, (label, costs) in enumerate((floors or {}).items()):
+        ax_ms.plot(rows, [c * 1e3 for c in costs], ("-.", ":", "--")[i % 3], color="grey", linewidth=1.0,
                    label=label.split(":")[0] + ": floor")
     for label, costs in series.items():
         style = "--" if label == LLAMACPP else ":" if label.endswith("batch") else "-"
