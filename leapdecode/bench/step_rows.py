@@ -95,8 +95,9 @@ def format_throughput(label: str, rows: list[int], costs: list[float]) -> str:
 def step_floor(llm: LLM, rows: list[int]) -> tuple[str, list[float]] | None:
     """The floor under a step of each row count for this engine's kernels: the larger of reading its weights
     once at the measured bandwidth and its rows' projection multiply-adds at the measured arithmetic peak of the
-    kernels' instruction (int8: VNNI or AVX2; float32: FMA). Attention and the rest of a step come on top. None
-    where the peak cannot be measured (no built kernels, a GPU)."""
+    kernels' instruction (int8: VNNI or AVX2; float32: FMA). Attention and the rest of a step come on top. Rows
+    that run on AMX tiles get the weight stream alone (their peak is not measured; the stream still bounds them).
+    None where the peak cannot be measured (no built kernels, a GPU)."""
     eng = llm.engine
     if eng.device.type != "cpu":
         return None
@@ -106,9 +107,10 @@ def step_floor(llm: LLM, rows: list[int]) -> tuple[str, list[float]] | None:
         return None
     stream = weight_bytes_per_step(eng.model) / (measure_bandwidth_gbps(eng.device) * 1e9)
     macs = macs_per_row(eng.model.config)
+    amx = int8_gemm.amx_rows() if kind == "int8" else 0
     label = (f"floor: {macs / 1e6:.0f}M multiply-adds per row at {peak / 1e9:.0f} G/s ({kind} peak), "
-             f"{stream * 1e3:.2f} ms weight stream")
-    return label, [max(stream, n * macs / peak) for n in rows]
+             f"{stream * 1e3:.2f} ms weight stream" + (f"; from {amx} rows (AMX tiles) the stream only" if amx else ""))
+    return label, [stream if amx and n >= amx else max(stream, n * macs / peak) for n in rows]
 
 
 def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[str | None, dict[str, list[float]],

@@ -33,30 +33,32 @@ double rate(double seconds, double macs, Body&& body) {
   return iterations * kChains * macs / elapsed;
 }
 
-double int8_rate(double seconds) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // vpdpbusd on 512 bits: 64 u8 x s8 products into 16 int32 sums, as int8_gemm.cpp's loop
-  __m512i acc[kChains];
-  for (auto& a : acc) a = _mm512_setzero_si512();
-  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(2);
-  const double r = rate(seconds, 64, [&] {
-    for (auto& a : acc) a = _mm512_dpbusd_epi32(a, w, x);
-    __asm__ volatile("" : "+v"(w), "+v"(x));  // the operands stay live and unknown: nothing is hoisted
-  });
-  for (auto& a : acc) __asm__ volatile("" : : "v"(a));
-  return r;
-#elif defined(__AVX2__)
-  // vpmaddubsw + vpmaddwd + vpaddd on 256 bits: 32 products per three instructions, as the AVX2 loop
-  __m256i acc[kChains];
-  for (auto& a : acc) a = _mm256_setzero_si256();
-  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(2);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const double r = rate(seconds, 32, [&] {
-    for (auto& a : acc) a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+// one thread's multiply-adds per second of `step(acc, w, x)` on kChains accumulators (`macs` per step); the
+// operands stay live and unknown to the compiler, so nothing is hoisted out of the loop
+template <class V, class Step>
+double chains_rate(double seconds, double macs, V zero, V w, V x, Step step) {
+  V acc[kChains];
+  for (auto& a : acc) a = zero;
+  const double r = rate(seconds, macs, [&] {
+    for (auto& a : acc) a = step(a, w, x);
     __asm__ volatile("" : "+x"(w), "+x"(x));
   });
   for (auto& a : acc) __asm__ volatile("" : : "x"(a));
   return r;
+}
+
+double int8_rate(double seconds) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // vpdpbusd on 512 bits: 64 u8 x s8 products into 16 int32 sums, as int8_gemm.cpp's loop
+  return chains_rate(seconds, 64, _mm512_setzero_si512(), _mm512_set1_epi8(3), _mm512_set1_epi8(2),
+                     [](__m512i a, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(a, w, x); });
+#elif defined(__AVX2__)
+  // vpmaddubsw + vpmaddwd + vpaddd on 256 bits: 32 products per three instructions, as the AVX2 loop
+  const __m256i ones = _mm256_set1_epi16(1);
+  return chains_rate(seconds, 32, _mm256_setzero_si256(), _mm256_set1_epi8(3), _mm256_set1_epi8(2),
+                     [ones](__m256i a, __m256i w, __m256i x) {
+                       return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+                     });
 #else
   (void)seconds;
   return 0.0;  // the portable loop has no fixed instruction to measure
@@ -65,25 +67,11 @@ double int8_rate(double seconds) {
 
 double float_rate(double seconds) {
 #if defined(__AVX512F__)
-  __m512 acc[kChains];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  __m512 w = _mm512_set1_ps(0.5f), x = _mm512_set1_ps(0.25f);
-  const double r = rate(seconds, 16, [&] {
-    for (auto& a : acc) a = _mm512_fmadd_ps(w, x, a);
-    __asm__ volatile("" : "+v"(w), "+v"(x));
-  });
-  for (auto& a : acc) __asm__ volatile("" : : "v"(a));
-  return r;
+  return chains_rate(seconds, 16, _mm512_setzero_ps(), _mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f),
+                     [](__m512 a, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, a); });
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[kChains];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  __m256 w = _mm256_set1_ps(0.5f), x = _mm256_set1_ps(0.25f);
-  const double r = rate(seconds, 8, [&] {
-    for (auto& a : acc) a = _mm256_fmadd_ps(w, x, a);
-    __asm__ volatile("" : "+x"(w), "+x"(x));
-  });
-  for (auto& a : acc) __asm__ volatile("" : : "x"(a));
-  return r;
+  return chains_rate(seconds, 8, _mm256_setzero_ps(), _mm256_set1_ps(0.5f), _mm256_set1_ps(0.25f),
+                     [](__m256 a, __m256 w, __m256 x) { return _mm256_fmadd_ps(w, x, a); });
 #else
   (void)seconds;
   return 0.0;
