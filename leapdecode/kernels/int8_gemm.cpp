@@ -102,10 +102,11 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 // Q6K (see the layout above): the top 2 bits of 4 input groups share a line; each is moved to bits 4-5 of its
-// byte and joined to its low nibble, giving u = q + 32; two integer chains per row, one per half of 16 inputs
+// byte and joined to its low nibble, giving u = q + 32. Up to 6 rows: each half's lines unpacked in turn, with
+// one integer chain per row and half
 template <int R>
-static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
-                                float* __restrict y, int64_t K, int64_t N) {
+static inline void rows_x_a8q6k_few(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                    float* __restrict y, int64_t K, int64_t N) {
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
   const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
@@ -152,6 +153,68 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+// 7-8 rows: a block's 8 groups of 4 inputs unpacked at once into registers, then each row's two half sums (one
+// chain each) and its float step; the form above keeps every row's half sums across the unpacking, which spilled
+// them to the stack from 7 rows. Integer sums are exact in any order, so both give the same bits (and the AMX and
+// portable paths' too). A/B on Zen 4: 8 rows 1.12-1.15x faster this way, 3-6 rows 0.82-0.98x.
+template <int R>
+static inline void rows_x_a8q6k_many(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                     float* __restrict y, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
+    const uint8_t* codes = blk.codes();
+    __m512i u[8];  // u[v]: inputs 4v .. 4v+3 of the 16 outputs; v < 4 is the first half, v >= 4 the second
+    for (int h = 0; h < 2; ++h) {
+      const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
+      const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
+                              _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
+                              _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
+      for (int gg = 0; gg < 2; ++gg) {
+        const int g = 2 * h + gg;
+        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
+        u[2 * g] = _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]);
+        u[2 * g + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]);
+      }
+    }
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
+    const __m512i sc1 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
+    const int8_t* xb = xq + b * 32;
+    for (int r = 0; r < R; ++r) {
+      auto word = [&](int v) {
+        int32_t w;
+        __builtin_memcpy(&w, xb + r * K + 4 * v, 4);
+        return _mm512_set1_epi32(w);
+      };
+      __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // one chain per half
+      for (int v = 0; v < 4; ++v) {
+        s[0] = _mm512_dpbusd_epi32(s[0], u[v], word(v));
+        s[1] = _mm512_dpbusd_epi32(s[1], u[v + 4], word(v + 4));
+      }
+      const int64_t i = (r0 + r) * nb + b;
+      const __m512i c0 = _mm512_sub_epi32(s[0], _mm512_set1_epi32(32 * xr.half[2 * i]));
+      const __m512i c1 = _mm512_sub_epi32(s[1], _mm512_set1_epi32(32 * xr.half[2 * i + 1]));
+      const __m512i tot = _mm512_add_epi32(_mm512_mullo_epi32(c0, sc0), _mm512_mullo_epi32(c1, sc1));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+template <int R>
+static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
+                                float* __restrict y, int64_t K, int64_t N) {
+  if constexpr (R >= 7) rows_x_a8q6k_many<R>(xr, r0, base, y, K, N);
+  else rows_x_a8q6k_few<R>(xr, r0, base, y, K, N);
 }
 constexpr const char* A8_ISA = "avx512-vnni";
 #elif defined(__AVX2__) && defined(__F16C__)
