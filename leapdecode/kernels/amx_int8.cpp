@@ -61,19 +61,10 @@ inline const uint8_t* b_rows(const A8Block<A>& blk, uint8_t (*buf)[64]) {
   if constexpr (A == A8_Q8) {
     return codes;
   } else if constexpr (A == A8_Q6K) {  // u = low nibble | top 2 bits << 4 (see int8_records.h)
-    const __m512i top2 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
-      const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
-      const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
-                              _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
-                              _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
-      for (int gg = 0; gg < 2; ++gg) {
-        const int g = 2 * h + gg;
-        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
-        _mm512_store_si512(buf[2 * g], _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]));
-        _mm512_store_si512(buf[2 * g + 1],
-                           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]));
-      }
+      __m512i u[4];
+      a8_q6k_half(codes, h, u);
+      for (int i = 0; i < 4; ++i) _mm512_store_si512(buf[4 * h + i], u[i]);
     }
     return buf[0];
   } else {

@@ -109,7 +109,6 @@ static inline void rows_x_a8q6k_few(const QuantizedRows& xr, int64_t r0, const u
                                     float* __restrict y, int64_t K, int64_t N) {
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
-  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -121,16 +120,12 @@ static inline void rows_x_a8q6k_few(const QuantizedRows& xr, int64_t r0, const u
     const int8_t* xb = xq + b * 32;
     __m512i ih[2][R];
     for (int h = 0; h < 2; ++h) {
-      const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
-      const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
-                              _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
-                              _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
+      __m512i uh[4];
+      a8_q6k_half(codes, h, uh);
       for (int r = 0; r < R; ++r) ih[h][r] = _mm512_setzero_si512();
       for (int gg = 0; gg < 2; ++gg) {
         const int g = 2 * h + gg;
-        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
-        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]);
-        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]);
+        const __m512i u0 = uh[2 * gg], u1 = uh[2 * gg + 1];
         for (int r = 0; r < R; ++r) {
           int32_t w0, w1;
           __builtin_memcpy(&w0, xb + r * K + 8 * g, 4);
@@ -163,7 +158,6 @@ static inline void rows_x_a8q6k_many(const QuantizedRows& xr, int64_t r0, const 
                                      float* __restrict y, int64_t K, int64_t N) {
   const int64_t nb = K / 32;
   const int8_t* xq = xr.q.data() + r0 * K;
-  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -173,18 +167,8 @@ static inline void rows_x_a8q6k_many(const QuantizedRows& xr, int64_t r0, const 
       for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
     const uint8_t* codes = blk.codes();
     __m512i u[8];  // u[v]: inputs 4v .. 4v+3 of the 16 outputs; v < 4 is the first half, v >= 4 the second
-    for (int h = 0; h < 2; ++h) {
-      const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
-      const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
-                              _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
-                              _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
-      for (int gg = 0; gg < 2; ++gg) {
-        const int g = 2 * h + gg;
-        const __m512i L = _mm512_loadu_si512(codes + 64 * g);
-        u[2 * g] = _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]);
-        u[2 * g + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]);
-      }
-    }
+    a8_q6k_half(codes, 0, u);
+    a8_q6k_half(codes, 1, u + 4);
     const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
     const __m512i sc1 =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));

@@ -99,6 +99,22 @@ bool a8_amx_linear(int kind, const QuantizedRows& xr, int64_t M, const uint8_t* 
                    int64_t panel_bytes, float* y, int64_t K, int64_t N);
 
 #if defined(__AVX512F__)
+// Q6K: half h of a block's codes (inputs 16h .. 16h + 15) as four groups u = q + 32 of 4 inputs, u[i] holding
+// inputs 16h + 4i .. 16h + 4i + 3 of the 16 outputs: each code's top 2 bits moved to bits 4-5 of its byte and
+// joined to its low nibble (the VNNI kernels' and the AMX tiles' B rows)
+static inline void a8_q6k_half(const uint8_t* codes, int h, __m512i* u) {
+  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  const __m512i H = _mm512_loadu_si512(codes + 256 + 64 * h);
+  const __m512i top[4] = {_mm512_and_si512(_mm512_slli_epi16(H, 4), top2),
+                          _mm512_and_si512(_mm512_slli_epi16(H, 2), top2), _mm512_and_si512(H, top2),
+                          _mm512_and_si512(_mm512_srli_epi16(H, 2), top2)};
+  for (int gg = 0; gg < 2; ++gg) {
+    const __m512i L = _mm512_loadu_si512(codes + 64 * (2 * h + gg));
+    u[2 * gg] = _mm512_or_si512(_mm512_and_si512(L, low4), top[2 * gg]);
+    u[2 * gg + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), top[2 * gg + 1]);
+  }
+}
+
 // the 16 rows' scale and minimum of one block, as A8Block's scalar forms compute them
 template <int A>
 static inline __m512 a8_scale(const A8Block<A>& blk) {
