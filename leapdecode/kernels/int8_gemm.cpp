@@ -102,103 +102,72 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 // Q6K (see the layout above): the top 2 bits of 4 input groups share a line; each is moved to bits 4-5 of its
-// byte and joined to its low nibble, giving u = q + 32. Up to 6 rows: each half's lines unpacked in turn, with
-// one integer chain per row and half
-template <int R>
-static inline void rows_x_a8q6k_few(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
-                                    float* __restrict y, int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  const int8_t* xq = xr.q.data() + r0 * K;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
-    if (ahead.sb == 0)
-      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
-    const uint8_t* codes = blk.codes();
-    const int8_t* xb = xq + b * 32;
-    __m512i ih[2][R];
-    for (int h = 0; h < 2; ++h) {
-      __m512i uh[4];
-      a8_q6k_half(codes, h, uh);
-      for (int r = 0; r < R; ++r) ih[h][r] = _mm512_setzero_si512();
-      for (int gg = 0; gg < 2; ++gg) {
-        const int g = 2 * h + gg;
-        const __m512i u0 = uh[2 * gg], u1 = uh[2 * gg + 1];
-        for (int r = 0; r < R; ++r) {
-          int32_t w0, w1;
-          __builtin_memcpy(&w0, xb + r * K + 8 * g, 4);
-          __builtin_memcpy(&w1, xb + r * K + 8 * g + 4, 4);
-          ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u0, _mm512_set1_epi32(w0));
-          ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u1, _mm512_set1_epi32(w1));
-        }
-      }
-    }
-    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
-    const __m512i sc1 =
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * nb + b;
-      const __m512i c0 = _mm512_sub_epi32(ih[0][r], _mm512_set1_epi32(32 * xr.half[2 * i]));
-      const __m512i c1 = _mm512_sub_epi32(ih[1][r], _mm512_set1_epi32(32 * xr.half[2 * i + 1]));
-      const __m512i tot = _mm512_add_epi32(_mm512_mullo_epi32(c0, sc0), _mm512_mullo_epi32(c1, sc1));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
-}
-// 7-8 rows: a block's 8 groups of 4 inputs unpacked at once into registers, then each row's two half sums (one
-// chain each) and its float step; the form above keeps every row's half sums across the unpacking, which spilled
-// them to the stack from 7 rows. Integer sums are exact in any order, so both give the same bits (and the AMX and
-// portable paths' too). A/B on Zen 4: 8 rows 1.12-1.15x faster this way, 3-6 rows 0.82-0.98x.
-template <int R>
-static inline void rows_x_a8q6k_many(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
-                                     float* __restrict y, int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  const int8_t* xq = xr.q.data() + r0 * K;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
-    if (ahead.sb == 0)
-      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
-    const uint8_t* codes = blk.codes();
-    __m512i u[8];  // u[v]: inputs 4v .. 4v+3 of the 16 outputs; v < 4 is the first half, v >= 4 the second
-    a8_q6k_half(codes, 0, u);
-    a8_q6k_half(codes, 1, u + 4);
-    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
-    const __m512i sc1 =
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
-    const int8_t* xb = xq + b * 32;
-    for (int r = 0; r < R; ++r) {
-      auto word = [&](int v) {
-        int32_t w;
-        __builtin_memcpy(&w, xb + r * K + 4 * v, 4);
-        return _mm512_set1_epi32(w);
-      };
-      __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // one chain per half
-      for (int v = 0; v < 4; ++v) {
-        s[0] = _mm512_dpbusd_epi32(s[0], u[v], word(v));
-        s[1] = _mm512_dpbusd_epi32(s[1], u[v + 4], word(v + 4));
-      }
-      const int64_t i = (r0 + r) * nb + b;
-      const __m512i c0 = _mm512_sub_epi32(s[0], _mm512_set1_epi32(32 * xr.half[2 * i]));
-      const __m512i c1 = _mm512_sub_epi32(s[1], _mm512_set1_epi32(32 * xr.half[2 * i + 1]));
-      const __m512i tot = _mm512_add_epi32(_mm512_mullo_epi32(c0, sc0), _mm512_mullo_epi32(c1, sc1));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
-}
+// byte and joined to its low nibble, giving u = q + 32 (a8_q6k_half). Each half of 16 inputs has its own int8
+// scale, so each row keeps one integer sum per half: sum(u * qx) - 32 sum(qx), times the half's scale, both added
+// as integers, then one float step per block. Integer sums are exact in any order, so the two forms below give the
+// same bits (and the AMX and portable paths' too):
+// - up to 6 rows: a half's lines unpacked and used by every row before the next half's, every row's two sums kept;
+// - 7-8 rows: the block's 8 groups unpacked at once into registers, then each row's two sums and its float step in
+//   one go (keeping every row's sums across the unpacking spilled them to the stack from 7 rows). A/B on Zen 4:
+//   8 rows 1.12-1.15x faster this way, 3-6 rows 0.82-0.98x.
 template <int R>
 static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8_t* __restrict base,
                                 float* __restrict y, int64_t K, int64_t N) {
-  if constexpr (R >= 7) rows_x_a8q6k_many<R>(xr, r0, base, y, K, N);
-  else rows_x_a8q6k_few<R>(xr, r0, base, y, K, N);
+  const int64_t nb = K / 32;
+  const int8_t* xq = xr.q.data() + r0 * K;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
+    for (int64_t line = 0; line < 384; line += 64) __builtin_prefetch(ahead.codes() + line);
+    if (ahead.sb == 0)
+      for (int64_t line = 0; line < 320; line += 64) __builtin_prefetch(ahead.rec + line);
+    const uint8_t* codes = blk.codes();
+    const int8_t* xb = xq + b * 32;
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
+    const __m512i sc1 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 80 + 32 * blk.sb)));
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk.rec));
+    auto word = [&](int r, int v) {  // row r's inputs 4v .. 4v+3 of this block, in every lane
+      int32_t w;
+      __builtin_memcpy(&w, xb + r * K + 4 * v, 4);
+      return _mm512_set1_epi32(w);
+    };
+    auto finish = [&](int r, __m512i s0, __m512i s1) {  // row r's float step from its two half sums
+      const int64_t i = (r0 + r) * nb + b;
+      const __m512i c0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xr.half[2 * i]));
+      const __m512i c1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xr.half[2 * i + 1]));
+      const __m512i tot = _mm512_add_epi32(_mm512_mullo_epi32(c0, sc0), _mm512_mullo_epi32(c1, sc1));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(xr.d[i])), acc[r]);
+    };
+    if constexpr (R >= 7) {
+      __m512i u[8];  // u[v]: inputs 4v .. 4v+3 of the 16 outputs; v < 4 is the first half, v >= 4 the second
+      a8_q6k_half(codes, 0, u);
+      a8_q6k_half(codes, 1, u + 4);
+      for (int r = 0; r < R; ++r) {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+          s0 = _mm512_dpbusd_epi32(s0, u[v], word(r, v));
+          s1 = _mm512_dpbusd_epi32(s1, u[v + 4], word(r, v + 4));
+        }
+        finish(r, s0, s1);
+      }
+    } else {
+      __m512i ih[2][R];
+      for (int h = 0; h < 2; ++h) {
+        __m512i u[4];  // inputs 16h + 4i .. 16h + 4i + 3
+        a8_q6k_half(codes, h, u);
+        for (int r = 0; r < R; ++r) ih[h][r] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v += 2)  // each line's two groups for every row before the next line's
+          for (int r = 0; r < R; ++r) {
+            ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u[v], word(r, 4 * h + v));
+            ih[h][r] = _mm512_dpbusd_epi32(ih[h][r], u[v + 1], word(r, 4 * h + v + 1));
+          }
+      }
+      for (int r = 0; r < R; ++r) finish(r, ih[0][r], ih[1][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 constexpr const char* A8_ISA = "avx512-vnni";
 #elif defined(__AVX2__) && defined(__F16C__)
