@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from leapdecode.gc_heap import startup_heap_frozen
 
@@ -13,8 +14,6 @@ class Cycle:
 
 
 def test_the_heap_is_frozen_inside_and_collectable_again_after() -> None:
-    import weakref
-
     made_before = Cycle()
     ref = weakref.ref(made_before)
     with startup_heap_frozen() as frozen:

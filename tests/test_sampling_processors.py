@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from leapdecode import LLM, SamplingParams
+from leapdecode.engine.sampling import stack_rows
 from leapdecode.layers.sampler import RowContext, apply_processors
 
 from .conftest import SPEC_PROMPTS, assert_no_leaks
@@ -282,8 +283,6 @@ def test_tree_verification_applies_the_processors_along_each_path(plain, tmp_pat
 
 
 def test_stack_rows_views_consecutive_rows_and_copies_the_others():
-    from leapdecode.engine.sampling import stack_rows
-
     logits = torch.randn(6, 11)
     rows = [logits[i : i + 1][-1] for i in range(1, 5)]  # a step's decode rows: row i of one forward's logits
     stacked = stack_rows(rows)

@@ -92,20 +92,18 @@ def format_throughput(label: str, rows: list[int], costs: list[float]) -> str:
     return f"| {label} | " + " | ".join(f"{r:.0f} ({r / rates[0]:.2f}x)" for r in rates) + " |"
 
 
-def step_floor(llm: LLM, rows: list[int]) -> tuple[str, list[float]] | None:
-    """The floor under a step of each row count for this engine's kernels: the larger of reading its weights
-    once at the measured bandwidth and its rows' projection multiply-adds at the measured arithmetic peak of the
+def step_floor(llm: LLM, rows: list[int], bandwidth_gbps: float) -> tuple[str, list[float]] | None:
+    """The floor under a step of each row count for this CPU engine's kernels: the larger of reading its weights
+    once at ``bandwidth_gbps`` and its rows' projection multiply-adds at the measured arithmetic peak of the
     kernels' instruction (int8: VNNI or AVX2; float32: FMA). Attention and the rest of a step come on top. Rows
     that run on AMX tiles get the weight stream alone (their peak is not measured; the stream still bounds them).
-    None where the peak cannot be measured (no built kernels, a GPU)."""
+    None where the peak cannot be measured (no built kernels)."""
     eng = llm.engine
-    if eng.device.type != "cpu":
-        return None
     kind = "int8" if getattr(eng.model, "int8_activations", False) else "float32"
     peak = measure_peak_macs(kind)
     if peak is None:
         return None
-    stream = weight_bytes_per_step(eng.model) / (measure_bandwidth_gbps(eng.device) * 1e9)
+    stream = weight_bytes_per_step(eng.model) / (bandwidth_gbps * 1e9)
     macs = macs_per_row(eng.model.config)
     amx = int8_gemm.amx_rows() if kind == "int8" else 0
     label = (f"floor: {macs / 1e6:.0f}M multiply-adds per row at {peak / 1e9:.0f} G/s ({kind} peak), "
@@ -120,6 +118,7 @@ def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[
     series: dict[str, list[float]] = {}
     floors: dict[str, list[float]] = {}
     path = None
+    bandwidth = 0.0  # the machine's read bandwidth: measured once, for every kernel's floor
     for kernel in (k for k in a.linear_kernels.split(",") if k):
         llm = LLM(model=a.model, linear_kernel=kernel, num_threads=a.threads, max_num_seqs=max(64, max(rows)),
                   kv_cache_dtype=a.kv_cache_dtype)
@@ -131,9 +130,11 @@ def measure(a: argparse.Namespace, rows: list[int], shapes: list[str]) -> tuple[
             label = f"leapdecode {kernel}{kv}, {shape}"
             series[label] = step_costs(llm, rows, a.context, shape, a.repeats)
             print(format_row(label, series[label]), flush=True)
-        floor = step_floor(llm, rows)
-        if floor is not None:
-            floors[f"{kernel}: {floor[0]}"] = floor[1]
+        if llm.engine.device.type == "cpu":
+            bandwidth = bandwidth or measure_bandwidth_gbps(llm.engine.device)
+            floor = step_floor(llm, rows, bandwidth)
+            if floor is not None:
+                floors[f"{kernel}: {floor[0]}"] = floor[1]
         del llm
     if a.compare == "llama.cpp" and path is not None and path.endswith(".gguf"):
         costs = run_isolated(llamacpp_costs, path, rows, a.context, a.threads, a.repeats, what="llama.cpp")

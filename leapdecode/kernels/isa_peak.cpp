@@ -19,32 +19,25 @@ constexpr long kBurst = 1 << 16;  // iterations between clock reads
 
 using Clock = std::chrono::steady_clock;
 
-// one thread's multiply-adds per second of `body` (kChains instructions of `macs` multiply-adds per iteration)
-template <class Body>
-double rate(double seconds, double macs, Body&& body) {
-  const auto start = Clock::now();
-  long iterations = 0;
-  double elapsed = 0;
-  do {
-    for (long i = 0; i < kBurst; ++i) body();
-    iterations += kBurst;
-    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  } while (elapsed < seconds);
-  return iterations * kChains * macs / elapsed;
-}
-
-// one thread's multiply-adds per second of `step(acc, w, x)` on kChains accumulators (`macs` per step); the
-// operands stay live and unknown to the compiler, so nothing is hoisted out of the loop
+// one thread's multiply-adds per second of `step(acc, w, x)` on kChains accumulators (`macs` per step), timed for
+// `seconds`; the operands stay live and unknown to the compiler, so nothing is hoisted out of the loop
 template <class V, class Step>
 double chains_rate(double seconds, double macs, V zero, V w, V x, Step step) {
   V acc[kChains];
   for (auto& a : acc) a = zero;
-  const double r = rate(seconds, macs, [&] {
-    for (auto& a : acc) a = step(a, w, x);
-    __asm__ volatile("" : "+x"(w), "+x"(x));
-  });
+  const auto start = Clock::now();
+  long iterations = 0;
+  double elapsed = 0;
+  do {
+    for (long i = 0; i < kBurst; ++i) {
+      for (auto& a : acc) a = step(a, w, x);
+      __asm__ volatile("" : "+x"(w), "+x"(x));
+    }
+    iterations += kBurst;
+    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  } while (elapsed < seconds);
   for (auto& a : acc) __asm__ volatile("" : : "x"(a));
-  return r;
+  return iterations * kChains * macs / elapsed;
 }
 
 double int8_rate(double seconds) {
