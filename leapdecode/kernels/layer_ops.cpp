@@ -103,8 +103,8 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
 }
 
 // Per row of logits [T, V]: the k largest values (descending; of equal values the lower index first) with their
-// indices, and the row's logsumexp, in two passes over the row (its max, then the exponentials' sum while the
-// top-k list is kept), where topk and logsumexp in torch read the row three times and allocate between. The
+// indices, and the row's logsumexp, in two passes over the row (its max and top-k list, then the exponentials'
+// sum), where topk and logsumexp in torch read the row three times and allocate between. The
 // training-free drafters learn from every verified row this way, so it runs once per row of every step.
 std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32,
@@ -138,6 +138,7 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
         top[j] = v;
         at[j] = i;
       };
+      // pass 1: the row's max and its top-k (a chunk is offered only where a lane beats the k-th value so far)
       float m = neg_inf;
       int64_t i = 0;
       v16f mv = v16f{} + neg_inf;
@@ -145,23 +146,24 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
         v16f xv;
         __builtin_memcpy(&xv, x + i, 64);
         mv = xv > mv ? xv : mv;
-      }
-      for (int j = 0; j < 16; ++j) m = std::max(m, mv[j]);
-      for (; i < V; ++i) m = std::max(m, x[i]);
-      v16f acc{};
-      for (i = 0; i + 16 <= V; i += 16) {
-        v16f xv;
-        __builtin_memcpy(&xv, x + i, 64);
-        if (m > neg_inf) acc += exp16(xv - m);
-        float cm = xv[0];
-        for (int j = 1; j < 16; ++j) cm = std::max(cm, xv[j]);
-        if (filled < k || cm > top[k - 1])
+        if (filled < k || any_lane(xv > (v16f{} + top[k - 1])))
           for (int j = 0; j < 16; ++j) offer(xv[j], i + j);
       }
+      for (int j = 0; j < 16; ++j) m = std::max(m, mv[j]);
+      for (int64_t t = i; t < V; ++t) {
+        m = std::max(m, x[t]);
+        offer(x[t], t);
+      }
+      // pass 2: the exponentials' sum, nothing else in the loop
+      v16f acc{};
       float tail = 0.f;
-      for (; i < V; ++i) {
-        if (m > neg_inf) tail += exp16(v16f{} + (x[i] - m))[0];
-        offer(x[i], i);
+      if (m > neg_inf) {
+        for (i = 0; i + 16 <= V; i += 16) {
+          v16f xv;
+          __builtin_memcpy(&xv, x + i, 64);
+          acc += exp16(xv - m);
+        }
+        for (; i < V; ++i) tail += exp16(v16f{} + (x[i] - m))[0];
       }
       for (int64_t j = 0; j < k; ++j) {
         vp[r * k + j] = top[j];
@@ -230,10 +232,10 @@ std::vector<int64_t> row_argmax(torch::Tensor logits) {
 // is tokens[r], the row's top-k (row_top_k) becomes matrix row tokens[r] -- successor ids (int32) and their
 // probabilities exp(value - logsumexp) as float16. Rows are written in order, so a token given twice keeps its
 // last row; a token outside the matrix is skipped. One call per step instead of ~12 torch calls.
-void record_successors(torch::Tensor logits, torch::Tensor tokens, torch::Tensor succ_tokens, torch::Tensor succ_probs) {
+void record_successors(torch::Tensor logits, const std::vector<int64_t>& tokens, torch::Tensor succ_tokens,
+                       torch::Tensor succ_probs) {
   const int64_t k = succ_tokens.size(1), rows = succ_tokens.size(0), T = logits.size(0);
-  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == T && tokens.scalar_type() == torch::kInt64,
-              "record_successors: one int64 input token per logits row");
+  TORCH_CHECK(int64_t(tokens.size()) == T, "record_successors: one input token per logits row");
   TORCH_CHECK(succ_tokens.is_contiguous() && succ_tokens.scalar_type() == torch::kInt32 &&
                   succ_probs.is_contiguous() && succ_probs.scalar_type() == torch::kHalf &&
                   succ_probs.sizes() == succ_tokens.sizes(),
@@ -242,7 +244,7 @@ void record_successors(torch::Tensor logits, torch::Tensor tokens, torch::Tensor
   const float* vp = top[0].data_ptr<float>();
   const int64_t* ip = top[1].data_ptr<int64_t>();
   const float* sp = top[2].data_ptr<float>();
-  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const int64_t* tp = tokens.data();
   int32_t* st = succ_tokens.data_ptr<int32_t>();
   at::Half* pp = succ_probs.data_ptr<at::Half>();
   for (int64_t r = 0; r < T; ++r) {

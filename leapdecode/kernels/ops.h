@@ -29,7 +29,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k);
 std::vector<int64_t> row_argmax(torch::Tensor logits);
-void record_successors(torch::Tensor logits, torch::Tensor tokens, torch::Tensor succ_tokens, torch::Tensor succ_probs);
+void record_successors(torch::Tensor logits, const std::vector<int64_t>& tokens, torch::Tensor succ_tokens,
+                       torch::Tensor succ_probs);
 // attention_rows.cpp, attention_rows_i8.cpp: few-row attention over the paged cache (float32 and int8)
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out);

@@ -67,6 +67,23 @@ static inline void axpy(float a, const float* __restrict x, float* __restrict y,
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// whether any lane of a comparison's mask (-1 / 0 per lane) is set: one mask test with AVX-512, halves folded
+// otherwise (a lane-by-lane loop costs as much as the comparison it tests)
+static inline bool any_lane(v16i m) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  v8i a, b;
+  __builtin_memcpy(&a, &m, 32);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&m) + 32, 32);
+  a |= b;
+  int64_t q[4];
+  __builtin_memcpy(q, &a, 32);
+  return (q[0] | q[1] | q[2] | q[3]) != 0;
+#endif
+}
+
 // e^x for 16 floats (Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial; ~1 ulp), since
 // scalar std::exp was most of a decode attention's time. Inputs here are scores minus their max (<= 0).
 static inline v16f exp16(v16f x) {

@@ -61,8 +61,7 @@ def record_successors(logits: torch.Tensor, tokens: list[int], succ_tokens: torc
     k = succ_tokens.shape[1]
     if (extension.ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
             and logits.dim() == 2 and not logits.requires_grad):
-        extension.ext.record_successors(logits.contiguous(), torch.tensor(tokens, dtype=torch.long), succ_tokens,
-                                        succ_probs)
+        extension.ext.record_successors(logits.contiguous(), tokens, succ_tokens, succ_probs)
         return
     vals, idx, lse = row_top_k(logits, k)
     rows = torch.tensor(tokens, dtype=torch.long)
