@@ -51,7 +51,8 @@ class ModelRunner:
         # of every full pass, so its drafter reuses the target's own hidden states for committed tokens instead
         # of recomputing the shared layers. ``captures`` maps L -> fns called as ``fn(hidden, input_ids,
         # positions, slot_mapping)``; several drafters (auto: self_spec at L=15 and the small draft at L=0) may
-        # listen.
+        # listen. At L = the number of layers (EAGLE's features) the hidden state is the final norm's output, the
+        # rows the LM head reads, so no pass computes that norm twice.
         self.captures: dict[int, list[CaptureFn]] = {}
         # what each capture keeps is filed by KV slot, so it must follow K/V that the engine copies between slots
         # (a tree's accepted nodes compacted into sequential slots): capture fn -> fn(src_slots, dst_slots)
@@ -121,13 +122,19 @@ class ModelRunner:
         input_ids, pos, meta, rows = self.prepare(items)
         kv = self.kv_cache.layers
         if self.captures and layers is None:  # the full pass in segments, handing each cut's hidden state out
+            num_layers = len(self.model.layers)
             h, start = None, 0
-            for cut in sorted(self.captures):
-                h = self.model(input_ids, pos, kv, meta, layers=range(start, cut), hidden=h, final_norm=False)
+            for cut in sorted(c for c in self.captures if c < num_layers):
+                if cut == start:  # nothing to run before this cut: the embeddings, or the last cut's output
+                    h = self.model.embed(input_ids) if h is None else h
+                else:
+                    h = self.model(input_ids, pos, kv, meta, layers=range(start, cut), hidden=h, final_norm=False)
                 for fn in self.captures[cut]:
                     fn(h, input_ids, pos, meta.slot_mapping)
                 start = cut
-            hidden = self.model(input_ids, pos, kv, meta, layers=range(start, len(self.model.layers)), hidden=h)
+            hidden = self.model(input_ids, pos, kv, meta, layers=range(start, num_layers), hidden=h)
+            for fn in self.captures.get(num_layers, ()):  # after the last layer: the normed output the head reads
+                fn(hidden, input_ids, pos, meta.slot_mapping)
         else:
             hidden = self.model(input_ids, pos, kv, meta, layers=layers)
         self.num_forward_calls += 1

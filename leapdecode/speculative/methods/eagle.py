@@ -14,8 +14,8 @@ same "next feature" idea as EAGLE, Li et al. 2024; here its name everywhere: met
     (f from the target's verification pass, tagged by KV slot)
 
 - **Features of committed tokens** come from the target's passes: the runner hands the residual stream after its
-  last layer to :meth:`EagleProposer._capture` (``ModelRunner.add_capture`` at L = num_layers), which
-  applies the target's final norm and files it by KV slot with the (position, token) it belongs to, exactly as
+  last layer, after the target's final norm (what its LM head reads), to ``_capture`` (``ModelRunner.add_capture``
+  at L = num_layers), which files it by KV slot with the (position, token) it belongs to, exactly as
   self-speculation files h_L. Nothing of the target is ever recomputed for the draft, except the fallback below.
 - **The draft's K/V** lives in its own paged cache (``adapter_bm``). After verification it is rolled back to
   the positions drafted from *target* features (the prefix before drafting), not to the accepted drafts: those
@@ -154,11 +154,6 @@ class EagleProposer(SelfSpecProposer):
 
     def capture_layer(self) -> int:
         return self.model.config.num_hidden_layers
-
-    def _capture(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """After the target's last layer: keep its normed features (what its LM head reads) by slot, tagged."""
-        super()._capture(self.model.norm(h), input_ids, positions, slot_mapping)
 
     def _recompute_shared(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Fallback: the target's features for committed positions [start, end) from a full pass whose own K/V go
