@@ -120,6 +120,9 @@ class StepCostModel:
         # per calibration size: [measured / calibrated time of the live steps nearest to it (a mean over the first
         # 1 / ONLINE_EMA steps, then an EMA), how many]
         self.ratios: dict[int, list[float]] = {}
+        # per calibration point, the measured point whose ratio scales it (recomputed when a point becomes
+        # measured, not every step: ``observe`` runs once per engine step)
+        self._near: list[int] = []
 
     def observe(self, n: int, seconds: float) -> None:
         """A live target step of ``n`` tokens took ``seconds``. Its ratio to the calibrated time at ``n`` enters the
@@ -136,12 +139,13 @@ class StepCostModel:
         r = self.ratios.setdefault(self.xs[i], [0.0, 0])
         r[1] += 1
         r[0] += max(ONLINE_EMA, 1.0 / r[1]) * (seconds / self._interp(self.xs, self.calibrated, n) - r[0])
-        measured = [x for x, (_, c) in self.ratios.items() if c >= ONLINE_MIN_STEPS]
-        if not measured:
+        if r[1] == ONLINE_MIN_STEPS:  # a newly measured point: it may now be some points' nearest
+            measured = [x for x, (_, c) in self.ratios.items() if c >= ONLINE_MIN_STEPS]
+            self._near = [min(measured, key=lambda m: (abs(m - x), m)) for x in self.xs]
+        if not self._near:
             return
         pts, best = [], 0.0
-        for x, y in self.calibrated:
-            near = min(measured, key=lambda m: (abs(m - x), m))
+        for (x, y), near in zip(self.calibrated, self._near):
             best = max(best, y * self.ratios[near][0])
             pts.append((x, best))
         self.points = pts

@@ -410,7 +410,9 @@ class Speculator:
                 self.learn_turn += n
             if alive:
                 tokens = [seqs[i].token_ids[-2] for i in alive]
-                logits = torch.stack([results[i].logits[-1] for i in alive])
+                # one sequence (batch 1): its row as a view, not a stacked copy
+                logits = results[alive[0]].logits[-1:] if len(alive) == 1 else \
+                    torch.stack([results[i].logits[-1] for i in alive])
                 for prop in self.row_observers:
                     prop.observe_rows(tokens, logits)
         for seq, res in zip(seqs, results):
