@@ -21,6 +21,7 @@ import torch
 from leapdecode.config import SpeculativeConfig
 from leapdecode.engine.drafting import Draft, StepSnapshot, Verdict
 from leapdecode.engine.model_runner import ForwardItem, ForwardResult
+from leapdecode.engine.sampling import stack_rows
 from leapdecode.engine.sequence import Sequence
 from leapdecode.layers.layer_ops import row_argmax
 from leapdecode.layers.sampler import RowContext, apply_processors, processed_probs
@@ -410,9 +411,7 @@ class Speculator:
                 self.learn_turn += n
             if alive:
                 tokens = [seqs[i].token_ids[-2] for i in alive]
-                # one sequence (batch 1): its row as a view, not a stacked copy
-                logits = results[alive[0]].logits[-1:] if len(alive) == 1 else \
-                    torch.stack([results[i].logits[-1] for i in alive])
+                logits = stack_rows([results[i].logits[-1] for i in alive])  # a view where the rows are consecutive
                 for prop in self.row_observers:
                     prop.observe_rows(tokens, logits)
         for seq, res in zip(seqs, results):
