@@ -47,7 +47,7 @@ def test_records_rebuild_gguf_weights_and_kernel_matches_float_panels(type_name)
     assert torch.equal(qw.dequantize(rows), ref[rows])
     panels = small_gemm.pack(ref)
     g = torch.Generator().manual_seed(0)
-    for m in (1, 2, 5, 8, 9, 17, 64):
+    for m in (1, 2, 5, 8, 9, 16, 17, 64):
         x = torch.randn(m, k, generator=g)
         y = small_gemm.packed_linear(x, qw.records, None)
         assert torch.equal(y, small_gemm.packed_linear(x, panels, None)), (type_name, m)

@@ -87,7 +87,7 @@ def test_block_kernels_equal_the_float32_kernel_bit_for_bit(fmt: str) -> None:
     blocks, panels = qw.records, small_gemm.pack(ref)
     assert blocks.dtype == torch.uint8 and blocks.shape == (96 // 16, 576 // 32, RECORD_BYTES[qw.kind])
     g = torch.Generator().manual_seed(3)
-    for m in (1, 2, 3, 8, 9, 17, 64):
+    for m in (1, 2, 3, 8, 9, 16, 17, 64):
         x = torch.randn(m, 576, generator=g)
         assert torch.equal(small_gemm.linear(x, ref, None, blocks), ext.small_linear(x, panels)), m
     torch.testing.assert_close(small_gemm.linear(x, ref, None, blocks), F.linear(x, ref), rtol=1e-5, atol=1e-4)
