@@ -14,6 +14,7 @@ from leapdecode.kernels import extension
 from leapdecode.speculative.methods.suffix import (
     GlobalSuffixCache,
     NativeRequestTrie,
+    NativeSuffixTrie,
     RequestTrie,
     SuffixOptions,
     SuffixProposer,
@@ -111,11 +112,91 @@ def test_the_native_request_trie_is_the_python_trie_node_for_node():
     assert native.memory_bytes() < py.memory_bytes() / 4
 
 
+def _needs_kernels() -> None:
+    if extension.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+
+
+def _same_tries(py: SuffixTrie, native: NativeSuffixTrie, contexts: list[list[int]], depth: int,
+                py_key: dict | None = None, native_key: dict | None = None) -> None:
+    """The same node count, longest matches, best-first trees and node owners (compared as the requests they
+    name where the two tries numbered the same texts differently)."""
+    assert native.num_nodes == py.num_nodes
+    for ctx in contexts:
+        for max_match in (1, 3, 8):
+            (pn, plen), (nn, nlen) = py.match(ctx, max_match), native.match(ctx, max_match)
+            assert plen == nlen and (pn is None) == (nn is None)
+            if pn is not None:
+                for limit, min_prob in ((1, 0.0), (32, 0.0), (16, 0.1)):
+                    want, pw = py.draft_nodes(pn, limit, min_prob, depth - plen)
+                    got, nw = native.draft_nodes(nn, limit, min_prob, depth - plen)
+                    assert got == want
+                    owners = [native.owner_of(n) for n in nw], [py.owner_of(n) for n in pw]
+                    if py_key is not None and native_key is not None:
+                        owners = [native_key[o] for o in owners[0]], [py_key[o] for o in owners[1]]
+                    assert owners[0] == owners[1]
+
+
+def test_the_native_global_trie_is_the_python_trie_node_for_node_through_removals():
+    """kernels/suffix_index.cpp's add / remove against SuffixTrie: texts with shared phrases join and leave in a
+    random order (nodes freed and their ids reused, children deleted and created again, which a dict keeps in
+    insertion order), and every count, match, tree and owner stays the same."""
+    _needs_kernels()
+    rng = random.Random(11)
+    phrases = [[rng.randrange(30) for _ in range(rng.randrange(2, 7))] for _ in range(10)]
+    texts = []
+    for _ in range(40):
+        t: list[int] = []
+        while len(t) < rng.randrange(5, 80):
+            t += rng.choice(phrases) if rng.random() < 0.6 else [rng.randrange(200)]
+        texts.append(t)
+    probes = [t[i : i + 10] for t in texts[:12] for i in (0, 5)] + phrases
+    for depth in (3, 12):
+        py, native = SuffixTrie(depth), NativeSuffixTrie(depth)
+        kept: list[int] = []
+        for serial, t in enumerate(texts, start=1):
+            py.add(t, serial)
+            native.add(t, serial)
+            kept.append(serial - 1)
+            if rng.random() < 0.4:
+                gone = kept.pop(rng.randrange(len(kept)))
+                py.remove(texts[gone])
+                native.remove(texts[gone])
+            _same_tries(py, native, probes, depth)
+        for gone in kept:
+            py.remove(texts[gone])
+            native.remove(texts[gone])
+        assert native.num_nodes == py.num_nodes == 0 and native.match(texts[0], 4) == (None, 0)
+    with pytest.raises(RuntimeError, match="not added"):
+        native.remove([1, 2, 3])
+
+
+def test_the_native_global_cache_cap_holds_after_1000_requests():
+    """The C++ trie under the same 1,000 requests: its bytes stay under the cap by dropping the oldest requests,
+    are a fraction of Python's for the same texts, and after all the evictions it holds exactly the kept texts."""
+    _needs_kernels()
+    cap_mb = 1.0
+    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb)
+    assert isinstance(cache.trie, NativeSuffixTrie)
+    for r in range(1000):
+        cache.add(f"req-{r}", [(r * 37 + i * 11) % 5000 for i in range(40)] + [1, 2, 3, 4, 5] * 4)
+        assert cache.live_bytes() <= cap_mb * 2**20
+        assert cache.memory_bytes() <= 2 * cap_mb * 2**20  # allocated: the high-water mark of live + one text
+    assert cache.num_evicted > 0 and len(cache.texts) < 1000
+    py = GlobalSuffixCache(max_depth=12, cap_mb=64, native=False)
+    for key, text in cache.texts.items():
+        py.add(key, text.tolist())
+    _same_tries(py.trie, cache.trie, [t.tolist()[:10] for t in list(cache.texts.values())[:5]], 12, py.keys,
+                cache.keys)
+    assert cache.trie.live_bytes() < py.trie.memory_bytes() / 4  # the same texts: ~52 bytes a node against ~260
+
+
 def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):
-    """1,000 requests of 60 tokens each (a few shared phrases, the rest their own): the estimate of the trie's
-    bytes stays under the cap by dropping the oldest requests, and it is not below what Python really holds."""
+    """1,000 requests of 60 tokens each (a few shared phrases, the rest their own), the Python trie: the estimate
+    of the trie's bytes stays under the cap by dropping the oldest requests, and it is not below what Python
+    really holds."""
     cap_mb = 2.0
-    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
+    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"), native=False)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     for r in range(1000):
@@ -128,19 +209,22 @@ def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):
     # the estimate is what Python really holds, within a margin
     assert 0.75 * held <= cache.memory_bytes() <= 1.5 * held, (cache.trie.num_nodes, cache.memory_bytes(), held)
     cache.save()
-    again = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
+    again = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"), native=False)
     assert _trie_counts(again.trie) == _trie_counts(cache.trie)
 
 
-def test_global_cache_evicts_the_least_recently_used_request():
+@pytest.mark.parametrize("native", [False, True])
+def test_global_cache_evicts_the_least_recently_used_request(native):
     """Under the cap, the request whose text last drafted an accepted token stays; an untouched newer one leaves."""
+    if native:
+        _needs_kernels()
     texts = {k: [base + i for i in range(30)] for k, base in (("a", 0), ("b", 100), ("c", 200), ("d", 300))}
-    probe = GlobalSuffixCache(max_depth=6, cap_mb=64)
+    probe = GlobalSuffixCache(max_depth=6, cap_mb=64, native=native)
     for k in "abc":
         probe.add(k, texts[k])
-    cap_mb = (probe.memory_bytes() + 1) / 2**20  # room for three texts, not four
+    cap_mb = (probe.live_bytes() + 1) / 2**20  # room for three texts, not four
     for touched, gone in (("a", "b"), (None, "a")):
-        cache = GlobalSuffixCache(max_depth=6, cap_mb=cap_mb)
+        cache = GlobalSuffixCache(max_depth=6, cap_mb=cap_mb, native=native)
         for k in "abc":
             cache.add(k, texts[k])
         if touched is not None:
@@ -150,7 +234,7 @@ def test_global_cache_evicts_the_least_recently_used_request():
             assert cache.num_touched == 1
         cache.add("d", texts["d"])
         assert gone not in cache.texts and set(cache.texts) == {"a", "b", "c", "d"} - {gone}
-        assert cache.memory_bytes() <= cache.cap_bytes
+        assert cache.live_bytes() <= cache.cap_bytes
     cache.touch(where[-1])  # a's text has left that cache: nothing moves
     assert cache.num_touched == 0
 

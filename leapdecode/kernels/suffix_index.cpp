@@ -1,11 +1,15 @@
-// One request's suffix trie for suffix drafting (speculative/methods/suffix.py): occurrence counts of every
-// substring of at most max_depth tokens of the request's prompt and output, extended token by token. The same
-// trie, the same match and the same best-first tree as the Python SuffixTrie (node for node, float for float):
-// Python made ~23 objects per indexed token (~40 us each token), which on a 1,000-token prompt cost several decode
-// steps. Nodes live in flat arrays; (parent, token) -> child in one open-addressing table; each node's children
-// keep their creation order in a sibling list, as a Python dict keeps insertion order.
+// Suffix tries for suffix drafting (speculative/methods/suffix.py): occurrence counts of every substring of at most
+// max_depth tokens of the indexed texts. Two uses: one request's prompt and output, extended token by token
+// (append), and the engine's trie over recent requests' outputs, which texts join whole (add, naming their owner)
+// and leave whole (remove, freeing the nodes whose count drops to zero). The same trie, the same match and the
+// same best-first tree as the Python SuffixTrie (node for node, float for float): Python made ~23 objects per
+// indexed token (~40 us each token), which on a 1,000-token prompt cost several decode steps, and the engine's
+// trie held ~260 bytes a node in objects the garbage collector walks. Nodes live in flat arrays (freed ones
+// reused); (parent, token) -> child in one open-addressing table; each node's children keep their creation order
+// in a doubly linked sibling list, as a Python dict keeps insertion order through deletions.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <queue>
 #include <tuple>
@@ -32,6 +36,24 @@ class ChildTable {
     if (2 * (size_ + 1) > keys_.size()) grow();
     put(pack(parent, token), child);
     ++size_;
+  }
+
+  // remove a present key, shifting later entries of its probe run back so that lookups stay correct
+  void erase(int32_t parent, int64_t token) {
+    const size_t mask = keys_.size() - 1;
+    size_t i = slot(pack(parent, token));
+    while (keys_[i] != pack(parent, token)) i = (i + 1) & mask;
+    for (size_t j = (i + 1) & mask; keys_[j] != kEmpty; j = (j + 1) & mask) {
+      const size_t home = slot(keys_[j]);
+      // entry j may move to the hole at i unless its home lies cyclically in (i, j]
+      if (((j - home) & mask) >= ((j - i) & mask)) {
+        keys_[i] = keys_[j];
+        vals_[i] = vals_[j];
+        i = j;
+      }
+    }
+    keys_[i] = kEmpty;
+    --size_;
   }
 
   size_t bytes() const { return keys_.size() * (sizeof(uint64_t) + sizeof(int32_t)); }
@@ -71,17 +93,35 @@ class SuffixIndex {
   }
 
   // append tokens to the text: each one's suffixes (lengths 1 .. max_depth) are counted once more
-  void append(const std::vector<int64_t>& tokens) {
-    std::vector<int32_t> next;
-    for (const int64_t t : tokens) {
-      next.clear();
-      next.push_back(child_of(0, t));
-      const size_t keep = std::min(active_.size(), size_t(max_depth_ - 1));
-      for (size_t i = 0; i < keep; ++i) next.push_back(child_of(active_[i], t));
-      for (const int32_t n : next) ++count_[n];
-      if (next.size() > size_t(max_depth_ - 1)) next.resize(max_depth_ - 1);
-      active_.swap(next);
+  void append(const std::vector<int64_t>& tokens) { extend(active_, tokens, 0); }
+
+  // count one more whole text (owner: a serial number naming it, kept by every node it goes through)
+  void add(const std::vector<int64_t>& tokens, int64_t owner) {
+    std::vector<int32_t> active;
+    extend(active, tokens, int32_t(owner));
+  }
+
+  // take back a text add counted: every substring's count drops by one; a node at zero is freed with its subtree
+  void remove(const std::vector<int64_t>& tokens) {
+    const size_t n = tokens.size();
+    for (size_t i = 0; i < n; ++i) {
+      int32_t node = 0;
+      for (size_t j = i; j < std::min(n, i + size_t(max_depth_)); ++j) {
+        const int32_t c = table_.find(node, tokens[j]);
+        TORCH_CHECK(c >= 0, "SuffixIndex.remove: removing a text that was not added");
+        if (--count_[c] == 0) {
+          free_subtree(node, c);
+          break;
+        }
+        node = c;
+      }
     }
+  }
+
+  // the owner the latest text through node named (0: none)
+  int64_t owner(int64_t node) const {
+    TORCH_CHECK(node >= 0 && node < int64_t(count_.size()), "SuffixIndex.owner: no node ", node);
+    return owner_[node];
   }
 
   // the node of the longest suffix of context (at most max_match tokens) that occurred with a continuation, and
@@ -100,10 +140,10 @@ class SuffixIndex {
   }
 
   // best-first continuations of node by path probability (a child's count over its siblings' total, multiplied
-  // along the path), parents first; none below min_prob or deeper than max_depth: (tokens, parents, scores)
-  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> draft(int64_t node, int64_t max_nodes,
-                                                                                   double min_prob,
-                                                                                   int64_t max_depth) const {
+  // along the path), parents first; none below min_prob or deeper than max_depth: (tokens, parents, scores, and
+  // each one's trie node)
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, std::vector<int64_t>> draft(
+      int64_t node, int64_t max_nodes, double min_prob, int64_t max_depth) const {
     TORCH_CHECK(node >= 0 && node < int64_t(count_.size()), "SuffixIndex.draft: no node ", node);
     struct Item {
       double score;
@@ -122,7 +162,7 @@ class SuffixIndex {
         if (s >= min_prob) heap.push(Item{s, seq++, token_[c], parent, depth, c});
       }
     };
-    std::vector<int64_t> tokens, parents;
+    std::vector<int64_t> tokens, parents, nodes;
     std::vector<double> scores;
     push(int32_t(node), -1, 1.0, 1);
     while (!heap.empty() && int64_t(tokens.size()) < max_nodes) {
@@ -131,25 +171,53 @@ class SuffixIndex {
       tokens.push_back(it.token);
       parents.push_back(it.parent);
       scores.push_back(it.score);
+      nodes.push_back(it.node);
       push(it.node, int64_t(tokens.size()) - 1, it.score, it.depth + 1);
     }
-    return {tokens, parents, scores};
+    return {tokens, parents, scores, nodes};
   }
 
-  int64_t num_nodes() const { return int64_t(count_.size()) - 1; }  // the root is not counted, as in Python
+  // the root is not counted, as in Python
+  int64_t num_nodes() const { return int64_t(count_.size() - free_.size()) - 1; }
 
+  // bytes allocated: freed nodes' slots stay allocated for reuse, so this keeps the high-water mark
   int64_t memory_bytes() const {
-    return int64_t(count_.size() * 5 * sizeof(int32_t) + table_.bytes() + active_.capacity() * sizeof(int32_t));
+    return int64_t(count_.capacity() * 7 * sizeof(int32_t) + table_.bytes() +
+                   (active_.capacity() + free_.capacity()) * sizeof(int32_t));
   }
+
+  // bytes the live nodes need: their 7 fields and two table slots each (the table grows at half full)
+  int64_t live_bytes() const { return (num_nodes() + 1) * int64_t(7 * sizeof(int32_t) + 2 * 12); }
 
  private:
+  void extend(std::vector<int32_t>& active, const std::vector<int64_t>& tokens, int32_t owner) {
+    std::vector<int32_t> next;
+    for (const int64_t t : tokens) {
+      next.clear();
+      next.push_back(child_of(0, t));
+      const size_t keep = std::min(active.size(), size_t(max_depth_ - 1));
+      for (size_t i = 0; i < keep; ++i) next.push_back(child_of(active[i], t));
+      for (const int32_t n : next) ++count_[n], owner_[n] = owner;
+      if (next.size() > size_t(max_depth_ - 1)) next.resize(max_depth_ - 1);
+      active.swap(next);
+    }
+  }
+
   int32_t new_node(int64_t token) {
+    if (!free_.empty()) {
+      const int32_t id = free_.back();
+      free_.pop_back();
+      count_[id] = 0, first_[id] = last_[id] = next_[id] = prev_[id] = -1, token_[id] = int32_t(token), owner_[id] = 0;
+      return id;
+    }
     const int32_t id = int32_t(count_.size());
     count_.push_back(0);
     first_.push_back(-1);
     last_.push_back(-1);
     next_.push_back(-1);
+    prev_.push_back(-1);
     token_.push_back(int32_t(token));
+    owner_.push_back(0);
     return id;
   }
 
@@ -159,23 +227,47 @@ class SuffixIndex {
     c = new_node(token);
     table_.insert(parent, token, c);
     if (last_[parent] < 0) first_[parent] = c;
-    else next_[last_[parent]] = c;
+    else next_[last_[parent]] = c, prev_[c] = last_[parent];
     last_[parent] = c;
     return c;
   }
 
+  // unlink child c of parent and free c's subtree
+  void free_subtree(int32_t parent, int32_t c) {
+    if (prev_[c] < 0) first_[parent] = next_[c];
+    else next_[prev_[c]] = next_[c];
+    if (next_[c] < 0) last_[parent] = prev_[c];
+    else prev_[next_[c]] = prev_[c];
+    table_.erase(parent, token_[c]);
+    std::vector<int32_t> stack{c};
+    while (!stack.empty()) {
+      const int32_t x = stack.back();
+      stack.pop_back();
+      for (int32_t k = first_[x]; k >= 0; k = next_[k]) {
+        table_.erase(x, token_[k]);
+        stack.push_back(k);
+      }
+      free_.push_back(x);
+    }
+  }
+
   int64_t max_depth_;
-  std::vector<int32_t> count_, first_, last_, next_, token_;  // per node; children in creation order
+  std::vector<int32_t> count_, first_, last_, next_, prev_, token_, owner_;  // per node; children in creation order
+  std::vector<int32_t> free_;  // freed node ids, reused first
   ChildTable table_;
   std::vector<int32_t> active_;  // the text's suffix nodes, shorter first
 };
 
 void bind_suffix_index(pybind11::module& m) {
-  pybind11::class_<SuffixIndex>(m, "SuffixIndex", "one request's suffix trie (speculative/methods/suffix.py)")
+  pybind11::class_<SuffixIndex>(m, "SuffixIndex", "a suffix trie over texts (speculative/methods/suffix.py)")
       .def(pybind11::init<int64_t>())
-      .def("append", &SuffixIndex::append, "append tokens to the indexed text")
+      .def("append", &SuffixIndex::append, "append tokens to the indexed text (one request's trie)")
+      .def("add", &SuffixIndex::add, "count one more whole text, naming its owner")
+      .def("remove", &SuffixIndex::remove, "take back a text add counted (nodes at zero freed)")
+      .def("owner", &SuffixIndex::owner, "the owner the latest text through a node named")
       .def("match", &SuffixIndex::match, "(node, length) of the longest suffix that occurred with a continuation")
-      .def("draft", &SuffixIndex::draft, "(tokens, parents, scores) of the best-first tree from a node")
+      .def("draft", &SuffixIndex::draft, "(tokens, parents, scores, nodes) of the best-first tree from a node")
       .def_property_readonly("num_nodes", &SuffixIndex::num_nodes)
-      .def("memory_bytes", &SuffixIndex::memory_bytes);
+      .def("memory_bytes", &SuffixIndex::memory_bytes, "bytes allocated (the high-water mark)")
+      .def("live_bytes", &SuffixIndex::live_bytes, "bytes the live nodes need");
 }

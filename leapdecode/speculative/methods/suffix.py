@@ -204,16 +204,24 @@ class SuffixTrie:
             push(c, len(out) - 1, -neg, depth + 1)
         return out, where
 
+    @staticmethod
+    def owner_of(node: TrieNode) -> int:
+        return node.owner
+
     def memory_bytes(self) -> int:
         return self.num_nodes * NODE_BYTES
+
+    live_bytes = memory_bytes  # freed nodes go back to Python's allocator
 
 
 class GlobalSuffixCache:
     """The engine's trie over recent requests' outputs, bounded by ``cap_mb``: the least recently used requests
-    leave first (a request is used when it joins and when :meth:`touch` finds a draft from its text accepted)."""
+    leave first (a request is used when it joins and when :meth:`touch` finds a draft from its text accepted).
+    The trie is C++ where the kernels are built (``native`` None), else Python's."""
 
-    def __init__(self, max_depth: int, cap_mb: float, path: str | None = None) -> None:
-        self.trie = SuffixTrie(max_depth)
+    def __init__(self, max_depth: int, cap_mb: float, path: str | None = None, native: bool | None = None) -> None:
+        native = extension.ext is not None if native is None else native
+        self.trie: SuffixTrie | NativeSuffixTrie = NativeSuffixTrie(max_depth) if native else SuffixTrie(max_depth)
         self.cap_bytes = int(cap_mb * 2**20)
         self.texts: OrderedDict[str, array] = OrderedDict()  # request -> its output (int32s), least recent first
         self.serials: dict[str, int] = {}  # request -> the serial number its trie nodes name as their owner
@@ -237,14 +245,15 @@ class GlobalSuffixCache:
         self.serials[key], self.keys[serial] = serial, key
         self.num_tokens += len(tokens)
         self.trie.add(tokens, serial)
-        while self.memory_bytes() > self.cap_bytes and self.texts:
+        while self.live_bytes() > self.cap_bytes and self.texts:
             self._drop(next(iter(self.texts)))
             self.num_evicted += 1
 
-    def touch(self, node: TrieNode) -> None:
+    def touch(self, node: TrieNode | int) -> None:
         """A draft through ``node`` was accepted: the latest request whose text went through it becomes the most
-        recently used (nothing when that request has left)."""
-        key = self.keys.get(node.owner)
+        recently used (nothing when that request has left; in the C++ trie a node freed since may name the text
+        that reused it: the order is a hint, drafts stay verified)."""
+        key = self.keys.get(self.trie.owner_of(node))
         if key is not None:
             self.texts.move_to_end(key)
             self.num_touched += 1
@@ -265,9 +274,18 @@ class GlobalSuffixCache:
         tmp.replace(path)
 
     def memory_bytes(self) -> int:
-        """The trie's estimate plus the kept texts (int32 arrays, ~TEXT_BYTES of bookkeeping each: the order, the
+        """The trie's bytes plus the kept texts (int32 arrays, ~TEXT_BYTES of bookkeeping each: the order, the
         serial numbers)."""
-        return self.trie.memory_bytes() + 4 * self.num_tokens + TEXT_BYTES * len(self.texts)
+        return self.trie.memory_bytes() + self._texts_bytes()
+
+    def live_bytes(self) -> int:
+        """What ``cap_mb`` bounds: the trie's live nodes and the kept texts. The C++ trie keeps freed nodes' slots
+        for reuse, so its allocation stays at its high-water mark: under the cap plus one text's nodes, and at most
+        twice that where its arrays last doubled."""
+        return self.trie.live_bytes() + self._texts_bytes()
+
+    def _texts_bytes(self) -> int:
+        return 4 * self.num_tokens + TEXT_BYTES * len(self.texts)
 
 
 class RequestTrie(SuffixTrie):
@@ -283,31 +301,54 @@ class RequestTrie(SuffixTrie):
             self.active = self.extend(self.active, t)
 
 
-class NativeRequestTrie:
-    """:class:`RequestTrie` in C++ (kernels/suffix_index.cpp): the same counts, matches and trees, node for node
-    (tests/test_suffix.py), at ~2 us an indexed token where Python's objects cost ~40 us, which on a long prompt
-    came to several decode steps. Nodes are ints here (None: no match)."""
+class NativeTrie:
+    """A trie of kernels/suffix_index.cpp: the same counts, matches and trees as :class:`SuffixTrie`, node for node
+    (tests/test_suffix.py), at ~2 us an indexed token where Python's objects cost ~40 us, and ~50 bytes a node
+    where Python's take ~260 in objects the garbage collector walks. Nodes are ints here (None: no match)."""
 
     def __init__(self, max_depth: int) -> None:
         self._index = extension.ext.SuffixIndex(max_depth)
-
-    def append(self, tokens: list[int]) -> None:
-        self._index.append(tokens)
+        self.max_depth = max_depth
 
     def match(self, context: list[int], max_match: int) -> tuple[int | None, int]:
         node, length = self._index.match(context, max_match)
         return (node if node >= 0 else None), length
 
-    def draft_nodes(self, node: int, max_nodes: int, min_prob: float, max_depth: int) -> tuple[list[Node], None]:
-        tokens, parents, scores = self._index.draft(node, max_nodes, min_prob, max_depth)
-        return [Node(t, p, sc) for t, p, sc in zip(tokens, parents, scores)], None
+    def draft_nodes(self, node: int, max_nodes: int, min_prob: float, max_depth: int) -> tuple[list[Node], list[int]]:
+        tokens, parents, scores, where = self._index.draft(node, max_nodes, min_prob, max_depth)
+        return [Node(t, p, sc) for t, p, sc in zip(tokens, parents, scores)], where
 
     @property
     def num_nodes(self) -> int:
         return self._index.num_nodes
 
     def memory_bytes(self) -> int:
+        """Bytes allocated: a freed node's slot stays allocated for reuse, so this is the high-water mark."""
         return self._index.memory_bytes()
+
+    def live_bytes(self) -> int:
+        """Bytes the live nodes need (what a cap bounds)."""
+        return self._index.live_bytes()
+
+
+class NativeRequestTrie(NativeTrie):
+    """:class:`RequestTrie` in C++: one request's text, extended as its tokens arrive."""
+
+    def append(self, tokens: list[int]) -> None:
+        self._index.append(tokens)
+
+
+class NativeSuffixTrie(NativeTrie):
+    """The global cache's :class:`SuffixTrie` in C++: whole texts join (naming their owner) and leave."""
+
+    def add(self, tokens: list[int], owner: int = 0) -> None:
+        self._index.add(tokens, owner)
+
+    def remove(self, tokens: list[int]) -> None:
+        self._index.remove(tokens)
+
+    def owner_of(self, node: int) -> int:
+        return self._index.owner(node)
 
 
 def request_trie(max_depth: int) -> RequestTrie | NativeRequestTrie:
@@ -322,9 +363,9 @@ class RequestIndex:
     trie: RequestTrie | NativeRequestTrie
     done: int = 0  # tokens indexed
     grown: tuple[int, list[Node]] = (-1, [])  # (sequence length, the tree) of the last sizing
-    grown_from: list[TrieNode] | None = None  # the global trie's node of each tree node (None: the own trie's)
+    grown_from: list[TrieNode] | list[int] | None = None  # the global trie's node of each tree node (None: own)
     drafted: list[Node] = field(default_factory=list)
-    drafted_from: list[TrieNode] | None = None
+    drafted_from: list[TrieNode] | list[int] | None = None
 
 
 class SuffixProposer(Proposer):
@@ -458,5 +499,5 @@ METHOD = Method(
     auto=AutoUse("separate", rank=2, usable=lambda cfg, target: True),
 )
 
-__all__ = ["METHOD", "GlobalSuffixCache", "NativeRequestTrie", "RequestTrie", "SuffixOptions", "SuffixProposer",
-           "SuffixTrie", "TrieNode", "request_trie"]
+__all__ = ["METHOD", "GlobalSuffixCache", "NativeRequestTrie", "NativeSuffixTrie", "NativeTrie", "RequestTrie",
+           "SuffixOptions", "SuffixProposer", "SuffixTrie", "TrieNode", "request_trie"]
