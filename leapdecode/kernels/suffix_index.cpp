@@ -56,6 +56,11 @@ class ChildTable {
     --size_;
   }
 
+  // room for n entries without growing (a table at most half full)
+  void reserve(size_t n) {
+    while (2 * n > keys_.size()) grow();
+  }
+
   size_t bytes() const { return keys_.size() * (sizeof(uint64_t) + sizeof(int32_t)); }
 
  private:
@@ -93,7 +98,12 @@ class SuffixIndex {
   }
 
   // append tokens to the text: each one's suffixes (lengths 1 .. max_depth) are counted once more
-  void append(const std::vector<int64_t>& tokens) { extend(active_, tokens, 0); }
+  void append(const std::vector<int64_t>& tokens) {
+    // a prompt arrives whole: size the arrays and the table for its nodes at once (at most max_depth a token)
+    // instead of growing them step by step, rehashing the table at every doubling
+    if (tokens.size() >= 64) reserve(count_.size() + tokens.size() * size_t(max_depth_));
+    extend(active_, tokens, 0);
+  }
 
   // count one more whole text (owner: a serial number naming it, kept by every node it goes through)
   void add(const std::vector<int64_t>& tokens, int64_t owner) {
@@ -201,6 +211,11 @@ class SuffixIndex {
       if (next.size() > size_t(max_depth_ - 1)) next.resize(max_depth_ - 1);
       active.swap(next);
     }
+  }
+
+  void reserve(size_t nodes) {
+    for (auto* v : {&count_, &first_, &last_, &next_, &prev_, &token_, &owner_}) v->reserve(nodes);
+    table_.reserve(nodes);
   }
 
   int32_t new_node(int64_t token) {
