@@ -171,12 +171,13 @@ def test_the_native_global_trie_is_the_python_trie_node_for_node_through_removal
         native.remove([1, 2, 3])
 
 
-def test_the_native_global_cache_cap_holds_after_1000_requests():
+def test_the_native_global_cache_cap_holds_after_1000_requests(tmp_path):
     """The C++ trie under the same 1,000 requests: its bytes stay under the cap by dropping the oldest requests,
-    are a fraction of Python's for the same texts, and after all the evictions it holds exactly the kept texts."""
+    are a fraction of Python's for the same texts, after all the evictions it holds exactly the kept texts, and a
+    saved cache loads back as the same trie."""
     _needs_kernels()
     cap_mb = 1.0
-    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb)
+    cache = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
     assert isinstance(cache.trie, NativeSuffixTrie)
     for r in range(1000):
         cache.add(f"req-{r}", [(r * 37 + i * 11) % 5000 for i in range(40)] + [1, 2, 3, 4, 5] * 4)
@@ -189,6 +190,11 @@ def test_the_native_global_cache_cap_holds_after_1000_requests():
     _same_tries(py.trie, cache.trie, [t.tolist()[:10] for t in list(cache.texts.values())[:5]], 12, py.keys,
                 cache.keys)
     assert cache.trie.live_bytes() < py.trie.memory_bytes() / 4  # the same texts: ~52 bytes a node against ~260
+    cache.save()
+    again = GlobalSuffixCache(max_depth=12, cap_mb=cap_mb, path=str(tmp_path / "suffix.pt"))
+    assert list(again.texts) == list(cache.texts)
+    _same_tries(py.trie, again.trie, [t.tolist()[:10] for t in list(cache.texts.values())[:5]], 12, py.keys,
+                again.keys)
 
 
 def test_global_cache_cap_holds_and_memory_after_1000_requests(tmp_path):
