@@ -60,5 +60,5 @@ torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights,
                             double scale, bool gelu);
 // isa_peak.cpp: multiply-adds per second of all threads with the int8 or float32 kernels' instruction
 double isa_peak_macs(const std::string& kind, double seconds);
-// suffix_index.cpp: one request's suffix trie for suffix drafting (a Python class)
+// suffix_index.cpp: the suffix tries of suffix drafting, a request's own and the engine's (a Python class)
 void bind_suffix_index(pybind11::module& m);
