@@ -135,11 +135,8 @@ void rows_x_tiles(const QuantizedRows& xr, const int8_t* xq, int64_t r0, int row
   for (int64_t b = 0; b < std::min<int64_t>(2, nb); ++b) w[b] = b_rows(A8Block<A>(base, b), buf[b]);
   tiles_of_block<A>(w[0], xq, K, 0, sums[0]);
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) prefetch_weights(ahead.codes() + line);
-    prefetch_weights(ahead.rec), prefetch_weights(ahead.rec + 64);
-    if (A == A8_Q6K && ahead.sb == 0)
-      for (int64_t line = 128; line < 320; line += 64) prefetch_weights(ahead.rec + line);
+    const A8Block<A> blk(base, b);
+    A8Block<A>(base, b + PREFETCH_RECORDS).prefetch();
     const int par = int(b & 1);
     if (b + 2 < nb) w[(b + 2) & 3] = b_rows(A8Block<A>(base, b + 2), buf[(b + 2) & 3]);
     if (b + 1 < nb) tiles_of_block<A>(w[(b + 1) & 3], xq + 32 * (b + 1), K, 1 - par, sums[1 - par]);

@@ -60,9 +60,8 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) prefetch_weights(ahead.codes() + line);
-    prefetch_weights(ahead.rec), prefetch_weights(ahead.rec + 64);
+    const A8Block<A> blk(base, b);
+    A8Block<A>(base, b + PREFETCH_RECORDS).prefetch();
     const uint8_t* codes = blk.codes();
     __m512i i0[R], i1[R];  // two integer chains per row (even / odd quarter-lines) against vpdpbusd latency
     for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
@@ -118,10 +117,8 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < 384; line += 64) prefetch_weights(ahead.codes() + line);
-    if (ahead.sb == 0)
-      for (int64_t line = 0; line < 320; line += 64) prefetch_weights(ahead.rec + line);
+    const A8Block<A8_Q6K> blk(base, b);
+    A8Block<A8_Q6K>(base, b + PREFETCH_RECORDS).prefetch();
     const uint8_t* codes = blk.codes();
     const int8_t* xb = xq + b * 32;
     const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + 64 + 32 * blk.sb)));
@@ -211,9 +208,8 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
   alignas(32) uint8_t wu[8][2][32];
   alignas(32) int8_t ws[8][2][32];
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < ahead.code_bytes(); line += 64) prefetch_weights(ahead.codes() + line);
-    prefetch_weights(ahead.rec), prefetch_weights(ahead.rec + 64);
+    const A8Block<A> blk(base, b);
+    A8Block<A>(base, b + PREFETCH_RECORDS).prefetch();
     const uint8_t* codes = blk.codes();
     for (int h = 0; h < 2; ++h) {
       if (Q4) {
@@ -275,10 +271,8 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   alignas(32) uint8_t wu[8][2][32];  // u = q + 32 of input group v (inputs 4v .. 4v+3) per half line
   for (int64_t b = 0; b < nb; ++b) {
-    const A8Block<A8_Q6K> blk(base, b), ahead(base, b + PREFETCH_RECORDS);
-    for (int64_t line = 0; line < 384; line += 64) prefetch_weights(ahead.codes() + line);
-    if (ahead.sb == 0)
-      for (int64_t line = 0; line < 320; line += 64) prefetch_weights(ahead.rec + line);
+    const A8Block<A8_Q6K> blk(base, b);
+    A8Block<A8_Q6K>(base, b + PREFETCH_RECORDS).prefetch();
     const uint8_t* codes = blk.codes();
     for (int hh = 0; hh < 2; ++hh)
       for (int h = 0; h < 2; ++h) {

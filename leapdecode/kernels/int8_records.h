@@ -8,6 +8,7 @@
 #endif
 
 #include "block_formats.h"
+#include "few_rows.h"
 
 // ---------------------------------------------------------------------------------------------------------------
 // int8 activations (opt-in, lossy): llama.cpp's arithmetic for Q4_1 / Q8_0 weights. Each row of x is quantised
@@ -55,6 +56,17 @@ struct A8Block {
     return rec + (A == A8_Q4K ? 384 + 256 * sb : A == A8_Q6K ? 320 + 384 * sb : A == A8_Q4 ? 128 : 64);
   }
   int64_t code_bytes() const { return A == A8_Q8 ? 512 : A == A8_Q6K ? 384 : 256; }
+  // fetch this block ahead of its use (the kernels call it PREFETCH_RECORDS blocks ahead): its code lines and the
+  // header lines it reads (Q6K: the super-block's 320-byte header once, with its first sub-block)
+  void prefetch() const {
+    for (int64_t line = 0; line < code_bytes(); line += 64) prefetch_weights(codes() + line);
+    if constexpr (A == A8_Q6K) {
+      if (sb == 0)
+        for (int64_t line = 0; line < 320; line += 64) prefetch_weights(rec + line);
+    } else {
+      prefetch_weights(rec), prefetch_weights(rec + 64);
+    }
+  }
   // row j's scale and minimum (scalar form; the vector kernels compute the same products lane by lane); Q6K:
   // the super-block's d, whose int8 sub-block scales multiply the integer sums instead
   float scale(int j) const {
