@@ -96,9 +96,10 @@ class SuccessorMatrix:
         self.vocab_size, self.top_k = vocab_size, top_k
         self.tokens = torch.full((vocab_size, top_k), -1, dtype=torch.int32)
         self.probs = torch.zeros(vocab_size, top_k, dtype=torch.float16)
-        # the same memory as a numpy array: the per-step lookups (has, successors) read single entries, which
-        # costs ~10 us through a tensor index and well under 1 us here
+        # the same memory as numpy arrays: the per-step lookups (has, successors, probabilities) read single
+        # entries, which costs ~10 us through a tensor index and well under 1 us here
         self._ids = self.tokens.numpy()
+        self._probs = self.probs.numpy()
         self.num_updates = 0
 
     def update(self, tokens: list[int], logits: torch.Tensor) -> None:
@@ -112,6 +113,10 @@ class SuccessorMatrix:
     def successors(self, token: int) -> list[int]:
         """The recorded successors of ``token`` by rank (-1 where none was recorded)."""
         return self._ids[token].tolist() if 0 <= token < self.vocab_size else [-1] * self.top_k
+
+    def probabilities(self, token: int) -> list[float]:
+        """The probabilities recorded with ``token``'s successors, by rank (0 where none was recorded)."""
+        return self._probs[token].tolist()
 
     def has(self, token: int) -> bool:
         return 0 <= token < self.vocab_size and bool(self._ids[token, 0] >= 0)
@@ -226,7 +231,7 @@ def grow_dynamic(matrix: SuccessorMatrix, root: int, max_nodes: int, max_depth: 
         if depth > max_depth or not matrix.has(token):
             return
         toks = matrix.successors(token)
-        probs = matrix.probs[token].float().tolist()
+        probs = matrix.probabilities(token)
         for t, p in zip(toks, probs):
             if t >= 0:
                 heapq.heappush(heap, (-score * p, count, t, parent, depth))
