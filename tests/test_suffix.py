@@ -82,11 +82,15 @@ def test_match_and_frequency_scored_tree():
     assert trie.match([8, 8], 4) == (None, 0)
 
 
+def _needs_kernels() -> None:
+    if extension.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+
+
 def test_the_native_request_trie_is_the_python_trie_node_for_node():
     """kernels/suffix_index.cpp against RequestTrie: the same node count, the same longest match for every context,
     the same best-first tree (tokens, parents, scores to the bit) from it, text appended in uneven pieces."""
-    if extension.load_kernel() is None:
-        pytest.skip("no C++ toolchain to build the kernels")
+    _needs_kernels()
     rng = random.Random(5)
     phrases = [[rng.randrange(40) for _ in range(rng.randrange(2, 9))] for _ in range(12)]
     text: list[int] = []
@@ -110,11 +114,6 @@ def test_the_native_request_trie_is_the_python_trie_node_for_node():
                         want = py.draft_nodes(pn, limit, min_prob, depth - plen)[0]
                         assert native.draft_nodes(nn, limit, min_prob, depth - plen)[0] == want
     assert native.memory_bytes() < py.memory_bytes() / 3  # allocated (its arrays last doubled) against ~260 B a node
-
-
-def _needs_kernels() -> None:
-    if extension.load_kernel() is None:
-        pytest.skip("no C++ toolchain to build the kernels")
 
 
 def _same_tries(py: SuffixTrie, native: NativeSuffixTrie, contexts: list[list[int]], depth: int,

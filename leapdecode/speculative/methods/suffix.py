@@ -309,7 +309,6 @@ class NativeTrie:
 
     def __init__(self, max_depth: int) -> None:
         self._index = extension.ext.SuffixIndex(max_depth)
-        self.max_depth = max_depth
 
     def match(self, context: list[int], max_match: int) -> tuple[int | None, int]:
         node, length = self._index.match(context, max_match)
