@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 
@@ -31,9 +32,14 @@ def test_report_writes_both_tables_plots_and_json(tiny_model_dir, tmp_path):
     assert md.count("Hardware: ") == 3 and "## Latency" in md and "## Quality" in md
     assert {(c["method"], c["batch"]) for c in data["latency"]} == {(m, b) for m in ("none", "ngram", "suffix",
                                                                                     "auto") for b in (1, 2)}
+    plain = {c["batch"]: c for c in data["latency"] if c["method"] == "none"}
     for c in data["latency"]:
         assert c["identical"] == "2/2" and c["tok_per_s"] > 0 and c["kv_mb"] > 0 and c["weights_mb"] > 0
-        assert c["speedup"] is not None
+        # two prompts: two groups at batch 1, one at batch 2; the speedup pairs each group with plain decoding's
+        assert len(c["group_tok_per_s"]) == {1: 2, 2: 1}[c["batch"]]
+        ref = plain[c["batch"]]["group_tok_per_s"]
+        assert c["speedup"] == pytest.approx(statistics.median(x / y for x, y in zip(c["group_tok_per_s"], ref)))
+    assert "Groups per batch size: 1: 2, 2: 1." in md
     quality = {q["method"]: q for q in data["quality"]}
     assert quality["none"]["ppl"] > 1 and quality["ngram"]["lossless"]
     assert all(q["code_pass"] in ("0/2", "1/2", "2/2") for q in quality.values())

@@ -25,7 +25,7 @@ from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weig
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
-from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio
+from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio, warm_up
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
@@ -88,13 +88,6 @@ def _batch1_row(label: str, outs: list, wall: list[float]) -> Row:
     row = _row(label, 1, outs, median(tps), median(tpot))
     row.paired_tok_per_s = tps
     return row
-
-
-def _warm_up(llm, ids: list[int], params) -> None:
-    """One full-length request, then its prefix out of the cache: the first timed prompt's prefill is cold on this
-    engine as on every other (the plain engine's first prompt was warm)."""
-    llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    llm.engine.block_manager.reset_prefix_cache()
 
 
 def paired_speedup(row: Row, base: Row) -> float:
@@ -288,7 +281,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
     # caches, first-touch page faults of the KV pool or the allocator's growth
     bw = measure_bandwidth_gbps(eng.device)
-    _warm_up(base, prompts_ids[0], params)
+    warm_up(base, prompts_ids[0], params)
     wbytes = weight_bytes_per_step(eng.model)
     header = [
         f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
@@ -313,7 +306,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                       max_num_seqs=max(64, len(prompts)), linear_kernel=kernel,
                                                       num_threads=args.threads)
         if kbase is not base:
-            _warm_up(kbase, prompts_ids[0], params)
+            warm_up(kbase, prompts_ids[0], params)
         tag = "" if kernel == kernels[0] else kernel
         kernel_llms[tag] = kbase
         for m in methods:

@@ -1,12 +1,13 @@
 """``leapdecode bench --report DIR``: one latency table and one quality table for every method, with plots.
 
-Latency (per method and batch size, greedy): time per output token, throughput, speedup over plain decoding at the
-same batch, mean tokens per target step, and memory: the model's weights (bytes a decode step reads), what the
-drafter holds of its own (``Proposer.memory_bytes``) and the KV blocks the batch's sequences occupy at their full
-length. Quality (batch 1, greedy): token identity with plain decoding for every method, and for every method whose
-output differs (the lossy options) greedy agreement, the target's perplexity of the produced text and the share of
-its top choices; with ``--code-tasks N``, pass@1 on the first N HumanEval problems with their tests executed.
-Beside them: acceptance by draft position, time per token by context length, memory by batch. Every table and plot
+Latency (per method and batch size, greedy; the methods interleaved group by group): time per output token,
+throughput, speedup over plain decoding at the same batch (paired group by group), mean tokens per target step,
+and memory: the model's weights (bytes a decode step reads), what the drafter holds of its own
+(``Proposer.memory_bytes``) and the KV blocks the batch's sequences occupy at their full length. Quality (batch 1,
+greedy): token identity with plain decoding for every method, and for every method whose output differs (the lossy
+options) greedy agreement, the target's perplexity of the produced text and the share of its top choices; with
+``--code-tasks N``, pass@1 on the first N HumanEval problems with their tests executed. Beside them: acceptance by
+draft position, time per token by context length, memory by batch. Every table and plot
 names the hardware. Written as report.md, report.json and four PNGs.
 """
 
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from leapdecode.bench.hardware import machine_info, weight_bytes_per_step
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report_plots import pyplot, write_plots
-from leapdecode.bench.rows import median
+from leapdecode.bench.rows import median, paired_ratio, warm_up
 from leapdecode.bench.scored import code_pass_rate, load_code_tasks
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
@@ -50,6 +51,7 @@ class LatencyCell:
     speedup: float | None = None
     identical: str = ""
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    group_tok_per_s: list[float] = field(default_factory=list, repr=False)  # per group, in the groups' order
 
 
 @dataclass
@@ -65,8 +67,9 @@ class QualityRow:
 
 def build_engines(base: LLM, methods: list[str], warm: list[int],
                   params: SamplingParams) -> tuple[dict[str, LLM], dict[str, str]]:
-    """An engine per method label sharing ``base``'s weights, each warmed up with one request of ``warm``; a method
-    that cannot run here (no drafter for this model) is left out with the reason."""
+    """An engine per method label sharing ``base``'s weights, each warmed up with one request of ``warm`` (its
+    prefix then dropped from the cache); a method that cannot run here (no drafter for this model) is left out
+    with the reason."""
     engines: dict[str, LLM] = {}
     missing: dict[str, str] = {}
     for m in tqdm(methods, desc="building engines", leave=False):
@@ -76,46 +79,67 @@ def build_engines(base: LLM, methods: list[str], warm: list[int],
         except (ValueError, OSError) as e:
             missing[m] = str(e)
             continue
-        engines[m].generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
+        warm_up(engines[m], warm, params)
     return engines, missing
 
 
-def measure_cell(label: str, llm: LLM, prompts_ids: list[list[int]], batch: int,
-                 params: SamplingParams) -> LatencyCell:
-    """Requests in groups of ``batch`` (the prompts, cycled to fill a group), each group submitted at once."""
+def request_groups(prompts_ids: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The prompts in groups of ``batch`` submitted at once (cycled to fill a group when there are fewer)."""
     n = max(len(prompts_ids), batch)
     requests = [prompts_ids[i % len(prompts_ids)] for i in range(n)]
+    return [requests[g : g + batch] for g in range(0, n, batch)]
+
+
+def measure_batch(engines: dict[str, LLM], prompts_ids: list[list[int]], batch: int,
+                  params: SamplingParams) -> list[LatencyCell]:
+    """Every engine at one batch size, interleaved: group g runs on every engine in turn, starting with engine g
+    mod n, so a slow or fast spell of the shared machine lands on all of them alike; each cell keeps its tok/s
+    per group, which :func:`compare_to_plain` pairs with plain decoding's on the same group."""
+    labels = list(engines)
+    groups = request_groups(prompts_ids, batch)
+    outs: dict[str, list] = {m: [] for m in labels}
+    walls: dict[str, list[float]] = {m: [] for m in labels}
+    bar = tqdm(total=len(labels) * len(groups), desc=f"latency at batch {batch}, interleaved", leave=False)
+    for g, group in enumerate(groups):
+        for j in [(g + k) % len(labels) for k in range(len(labels))]:
+            t0 = time.perf_counter()
+            outs[labels[j]].append(engines[labels[j]].generate([{"prompt_token_ids": ids} for ids in group], params,
+                                                               use_tqdm=False))
+            walls[labels[j]].append(time.perf_counter() - t0)
+            bar.update(1)
+    bar.close()
+    return [_cell(m, engines[m], batch, outs[m], walls[m]) for m in labels]
+
+
+def _cell(label: str, llm: LLM, batch: int, groups: list[list], walls: list[float]) -> LatencyCell:
+    """One method's cell from its groups' outputs and wall times."""
     eng = llm.engine
     per_block = eng.kv_cache.nbytes / eng.block_manager.num_blocks
     bs = eng.config.block_size
-    outs, wall, kv = [], 0.0, 0.0
-    for g in range(0, n, batch):
-        group = requests[g : g + batch]
-        t0 = time.perf_counter()
-        got = llm.generate([{"prompt_token_ids": ids} for ids in group], params, use_tqdm=False)
-        wall += time.perf_counter() - t0
-        outs += got
-        blocks = sum(math.ceil((len(o.prompt_token_ids) + len(o.outputs[0].token_ids)) / bs) for o in got)
-        kv = max(kv, blocks * per_block / 2**20)
+    kv = max(sum(math.ceil((len(o.prompt_token_ids) + len(o.outputs[0].token_ids)) / bs) for o in got)
+             for got in groups) * per_block / 2**20
+    outs = [o for got in groups for o in got]
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = sum(o.metrics.num_target_steps for o in outs)
     tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / (len(o.outputs[0].token_ids) - 1)
             for o in outs if len(o.outputs[0].token_ids) > 1]
     spec = eng.speculator
     drafter = sum(p.memory_bytes() for p in spec.proposers.values()) / 2**20 if spec is not None else 0.0
-    return LatencyCell(label, batch, median(tpot), ntok / wall if wall else 0.0, ntok / steps if steps else 1.0,
+    group_tps = [sum(len(o.outputs[0].token_ids) for o in got) / w for got, w in zip(groups, walls)]
+    return LatencyCell(label, batch, median(tpot), ntok / sum(walls), ntok / steps if steps else 1.0,
                        drafter, kv, weight_bytes_per_step(eng.model) / 2**20,
-                       token_ids=[o.outputs[0].token_ids for o in outs])
+                       token_ids=[o.outputs[0].token_ids for o in outs], group_tok_per_s=group_tps)
 
 
 def compare_to_plain(cells: list[LatencyCell]) -> None:
-    """Speedup and token identity of every cell against plain decoding at its batch size."""
+    """Speedup (the median over groups of a cell's tok/s over plain decoding's on the same group, run back to
+    back: :func:`rows.paired_ratio`) and token identity of every cell against plain decoding at its batch size."""
     plain = {c.batch: c for c in cells if c.method == "none"}
     for c in cells:
         ref = plain.get(c.batch)
         if ref is None:
             continue
-        c.speedup = c.tok_per_s / ref.tok_per_s if ref.tok_per_s else None
+        c.speedup = paired_ratio(c.group_tok_per_s, ref.group_tok_per_s, c.tok_per_s, ref.tok_per_s)
         same = sum(a == b for a, b in zip(c.token_ids, ref.token_ids))
         c.identical = f"{same}/{len(c.token_ids)}"
 
@@ -181,6 +205,11 @@ def latency_table(cells: list[LatencyCell], hw: str) -> list[str]:
         lines.append(f"| {c.method} | {c.batch} | {c.time_per_token_ms:.1f} | {c.tok_per_s:.1f} | "
                      f"{_fmt(c.speedup, '.2f')}{'x' if c.speedup else ''} | {c.mean_accepted:.2f} | "
                      f"{c.weights_mb:.0f} | {c.drafter_mb:.1f} | {c.kv_mb:.2f} | {c.identical} |")
+    groups = {c.batch: len(c.group_tok_per_s) for c in cells}
+    lines += ["", "Each batch size's requests run in groups of that many, submitted at once, every method on a group "
+              "in turn (rotating which goes first); tok/s is a method's tokens over its wall time, and the speedup "
+              "the median over groups of its tok/s over plain decoding's on the same group. Groups per batch size: "
+              + ", ".join(f"{b}: {n}" for b, n in groups.items()) + "."]
     return lines
 
 
@@ -275,14 +304,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     engines, missing = build_engines(base, methods, prompts_ids[0], params)
     hw = machine_info()
-    cells: list[LatencyCell] = []
-    bar = tqdm(total=len(engines) * len(batches), desc="latency table")
-    for batch in batches:
-        for label, llm in engines.items():
-            bar.set_postfix_str(f"{label} @ batch {batch}")
-            cells.append(measure_cell(label, llm, prompts_ids, batch, params))
-            bar.update(1)
-    bar.close()
+    cells = [c for batch in tqdm(batches, desc="latency table") for c in
+             measure_batch(engines, prompts_ids, batch, params)]
     compare_to_plain(cells)
     accept = acceptance_by_position(engines)
     by_ctx = time_by_context(engines, prompts_ids, contexts, min(args.max_tokens, 32))

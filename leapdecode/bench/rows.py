@@ -73,3 +73,10 @@ def paired_ratio(pairs: list[float], base_pairs: list[float], tok_per_s: float, 
     if pairs and len(pairs) == len(base_pairs):
         return statistics.median(x / y for x, y in zip(pairs, base_pairs))
     return tok_per_s / base_tok_per_s
+
+
+def warm_up(llm, ids: list[int], params) -> None:
+    """One full-length request, then its prefix out of the cache: the first timed prompt's prefill is cold on this
+    engine as on every other (the plain engine's first prompt was warm)."""
+    llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()
