@@ -18,16 +18,38 @@ from leapdecode.models.config import ModelConfig
 PeakKind = Literal["int8", "float32"]
 
 
+# the CPU features the kernels dispatch on, as /proc/cpuinfo spells them, and how the hardware line names them
+ISA_FLAGS = (("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_int8", "AMX"))
+
+
+def cpu_description(cpuinfo: str) -> str:
+    """The CPU of a /proc/cpuinfo text: its model name, the x86 family and model (a VM often reports a bare "AMD
+    EPYC", and the generations differ in what they run fast), and the vector features the kernels use (AVX2 where
+    AVX-512 is absent)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+            fields[key] = value.strip()
+    if "model name" not in fields:
+        return ""
+    out = fields["model name"]
+    if "cpu family" in fields and "model" in fields:
+        out += f" (family {fields['cpu family']} model {fields['model']})"
+    flags = set(fields.get("flags", "").split())
+    isa = [name for flag, name in ISA_FLAGS if flag in flags] or (["AVX2"] if "avx2" in flags else [])
+    return out + (", " + " + ".join(isa) if isa else "")
+
+
 def machine_info() -> str:
-    """The hardware line every table and plot carries: CPU model and cores, torch and its threads, Python, GPU."""
-    cpu = platform.processor() or platform.machine()
+    """The hardware line every table and plot carries: the CPU (cpu_description) and cores, torch and its threads,
+    Python, GPU."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = cpu_description(open("/proc/cpuinfo").read())
     except OSError:
-        pass
+        cpu = ""
+    cpu = cpu or platform.processor() or platform.machine()
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"Python {platform.python_version()}{gpu}")
@@ -81,5 +103,5 @@ def macs_per_row(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
 
 
-__all__ = ["PeakKind", "machine_info", "macs_per_row", "measure_bandwidth_gbps", "measure_peak_macs",
+__all__ = ["PeakKind", "cpu_description", "machine_info", "macs_per_row", "measure_bandwidth_gbps", "measure_peak_macs",
            "weight_bytes_per_step"]
