@@ -136,6 +136,13 @@ class Proposer(ABC):
         out of the step's choice (it costs nothing and says nothing about its acceptance). Default: always."""
         return True
 
+    def peek(self, seq: Sequence, budget: int) -> Proposal | None:
+        """The proposal ``propose`` would make for ``seq`` with ``budget`` this step, with no side effect on the
+        drafter (nothing is verified: when another drafter drafts, the speculator scores this one against the
+        tokens the target goes on to commit, counterfactual.py). Default ``None``: the drafter cannot say without
+        drafting (a draft model runs), and learns only from its own verifications."""
+        return None
+
     def calibrate_cost(self) -> None:  # noqa: B027
         """Time this drafter's own steps for ``step_cost`` (called by the speculator when it uses the cost model).
         Default: nothing to time (lookup methods; heads measure themselves on first use)."""

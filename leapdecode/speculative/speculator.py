@@ -33,6 +33,7 @@ from leapdecode.speculative.acceptance import (
     verify_tree_sampling,
     verify_tree_typical,
 )
+from leapdecode.speculative.counterfactual import PendingDraft, decided, hold
 from leapdecode.speculative.policy import (
     DynamicGamma,
     GammaState,
@@ -229,6 +230,7 @@ class Speculator:
         rates: dict[str, tuple[int, float]] = {}
         gains: dict[str, float] = {}  # the tokens each candidate's drafts are expected to add
         promised: dict[str, float] = {}  # tree drafters: the accepted nodes their own estimates promise
+        sized: dict[str, tuple[int, float]] = {}  # every candidate that sized a draft: (tokens, promise)
         for name in names:
             prop = self.proposers[name]
             if self.cost is not None and self._idle(st, name, batch):  # no cost model: asked every step
@@ -245,6 +247,8 @@ class Speculator:
                 continue
             k, rate, gain = self._tree_rate(name, prop, tree, load) if tree is not None else \
                 self._chain_rate(seq, name, prop, room, load)
+            if k > 0:
+                sized[name] = (k, tree[1] - 1.0 if tree is not None else 0.0)
             if k > 0 and rate > plain:
                 rates[name] = (k, rate)
                 gains[name] = gain
@@ -266,6 +270,11 @@ class Speculator:
         st.tree_promise = promised.get(best, 0.0) if best is not None else 0.0
         if best is not None and best_k > 0:
             load.grant(best_k, gains.get(best, 0.0))
+        for name, (k, promise) in sized.items():  # the others' drafts, scored later (counterfactual.py)
+            other = self.proposers[name].peek(seq, k) if name != best else None
+            if other is not None and other.tokens:
+                hold(st.pending, PendingDraft(name, seq.num_tokens, tuple(other.tokens),
+                                              tuple(other.parents) if other.parents is not None else None, promise))
         return best_k
 
     @staticmethod
@@ -422,6 +431,12 @@ class Speculator:
         token); under auto the copy detector reads the new tokens."""
         if seq.is_finished:
             return
+        # held drafts the committed tokens now decide enter the estimates a verification of them would have
+        for d, accepted in decided(self.draft_state(seq).pending, seq.token_ids):
+            if d.parents is None:
+                self.gamma.update(self.state(seq, d.method), len(d.tokens), accepted)
+            elif d.promise > 0:
+                self.realism.record(d.method, d.promise, accepted)
         # only drafters that declare they observe (heads) are called: indexing the row costs ~5 us a call, paid
         # per sequence and drafter on every step, and most drafters ignore it
         if self.watchers and res.hidden.numel():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leapdecode.speculative.counterfactual import PendingDraft
+
 PRIOR_ACCEPTANCE = 0.7  # optimistic, so a new sequence gets to try drafting
 
 
@@ -89,6 +91,8 @@ class DraftState:
     difficulty: DifficultyState = field(default_factory=DifficultyState)  # the difficulty-driven compute path
     idle: dict[str, IdleState] = field(default_factory=dict)  # per drafter: its pause in a batch (IdleState)
     tree_promise: float = 0.0  # the accepted nodes this step's tree drafter promised by its own estimate
+    # the drafts other candidates would have made, scored once the target commits past them (counterfactual.py)
+    pending: list[PendingDraft] = field(default_factory=list)
 
     def begin_step(self) -> None:
         """Nothing chosen yet for this step: no drafter, no promise."""

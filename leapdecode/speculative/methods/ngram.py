@@ -70,6 +70,9 @@ class NgramProposer(Proposer):
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(s, k) if k > 0 else []) for s, k in zip(seqs, budgets)]
 
+    def peek(self, seq: Sequence, budget: int) -> Proposal:
+        return Proposal(self.lookup(seq, budget) if budget > 0 else [])
+
     def release(self, seq: Sequence) -> None:
         self.indexes.pop(seq.request_id, None)
 

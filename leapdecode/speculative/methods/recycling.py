@@ -381,16 +381,26 @@ class RecyclingProposer(Proposer):
             if k <= 0:
                 out.append(Proposal([]))
                 continue
-            if self.tree == "static":
-                tokens, parents, used = grow_static(self.matrix, seq.token_ids[-1], self._paths[:k])
-                drafted = Drafted(seq.num_tokens, [self._paths[j] for j in used], [self._scores[j] for j in used])
-            else:
-                nodes = self._dynamic(seq)[:k]
-                tokens, parents = [n.token for n in nodes], [n.parent for n in nodes]
-                drafted = Drafted(seq.num_tokens, [], [n.score for n in nodes])
+            tokens, parents, drafted = self._tree(seq, k)
             self._drafted[seq.request_id] = drafted
             out.append(Proposal(tokens, None, parents) if tokens else Proposal([]))
         return out
+
+    def peek(self, seq: Sequence, budget: int) -> Proposal:
+        if budget <= 0:
+            return Proposal([])
+        tokens, parents, _ = self._tree(seq, budget)
+        return Proposal(tokens, None, parents) if tokens else Proposal([])
+
+    def _tree(self, seq: Sequence, k: int) -> tuple[list[int], list[int], Drafted]:
+        """``seq``'s tree of at most ``k`` nodes from its last token, and what its verification will learn from."""
+        if self.tree == "static":
+            tokens, parents, used = grow_static(self.matrix, seq.token_ids[-1], self._paths[:k])
+            return tokens, parents, Drafted(seq.num_tokens, [self._paths[j] for j in used],
+                                            [self._scores[j] for j in used])
+        nodes = self._dynamic(seq)[:k]
+        scores = [n.score for n in nodes]
+        return [n.token for n in nodes], [n.parent for n in nodes], Drafted(seq.num_tokens, [], scores)
 
     def memory_bytes(self) -> int:
         return self.matrix.memory_bytes()

@@ -459,6 +459,10 @@ class SuffixProposer(Proposer):
                        else Proposal([]))
         return out
 
+    def peek(self, seq: Sequence, budget: int) -> Proposal:
+        nodes = self.grow(seq)[:budget] if budget > 0 else []
+        return Proposal([n.token for n in nodes], None, [n.parent for n in nodes]) if nodes else Proposal([])
+
     # ------------------------------------------------------------------------------------------ learning
     def on_verified(self, seq: Sequence, result: Verification) -> None:
         idx = self._requests.get(seq.request_id)
