@@ -229,8 +229,9 @@ class Speculator:
         plain = load.tokens / self.cost(load.rows) if self.cost is not None else 0.0
         rates: dict[str, tuple[int, float]] = {}
         gains: dict[str, float] = {}  # the tokens each candidate's drafts are expected to add
-        promised: dict[str, float] = {}  # tree drafters: the accepted nodes their own estimates promise
-        sized: dict[str, tuple[int, float]] = {}  # every candidate that sized a draft: (tokens, promise)
+        # every candidate that sized a draft: (tokens, the accepted nodes a tree drafter's own estimate promises;
+        # 0 for chains)
+        sized: dict[str, tuple[int, float]] = {}
         for name in names:
             prop = self.proposers[name]
             if self.cost is not None and self._idle(st, name, batch):  # no cost model: asked every step
@@ -253,8 +254,6 @@ class Speculator:
                 rates[name] = (k, rate)
                 gains[name] = gain
                 st.idle.pop(name, None)
-                if tree is not None:
-                    promised[name] = tree[1] - 1.0
             else:
                 self._said_no(st, name, batch)
                 if tree is not None:
@@ -267,7 +266,7 @@ class Speculator:
             if note is not None:
                 self.router.depart(seq, st, note)
         st.method = best
-        st.tree_promise = promised.get(best, 0.0) if best is not None else 0.0
+        st.tree_promise = sized[best][1] if best is not None else 0.0  # the chosen one is among the sized
         if best is not None and best_k > 0:
             load.grant(best_k, gains.get(best, 0.0))
         for name, (k, promise) in sized.items():  # the others' drafts, scored later (counterfactual.py)

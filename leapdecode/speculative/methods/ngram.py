@@ -68,7 +68,7 @@ class NgramProposer(Proposer):
         return bool(self.lookup(seq, 1))
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(s, k) if k > 0 else []) for s, k in zip(seqs, budgets)]
+        return [self.peek(s, k) for s, k in zip(seqs, budgets)]
 
     def peek(self, seq: Sequence, budget: int) -> Proposal:
         return Proposal(self.lookup(seq, budget) if budget > 0 else [])
