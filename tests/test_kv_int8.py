@@ -170,6 +170,34 @@ def test_paged_attention_over_int8_equals_attention_over_dequantized(monkeypatch
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["batch", "tree"])
+def test_half_precision_cache_rows_are_the_float32_kernels_bits(dtype, layout):
+    """A float16 or bfloat16 cache's few-token rows are the float32 rows kernel's over the same cache widened to
+    float32, bit for bit (the new rows stored rounded first): so they do not depend on the batch or the tree."""
+    if extension.load_kernel() is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    torch.manual_seed(2)
+    slots = 24 * 16
+    if layout == "batch":
+        seqs = [SeqAttention(0, 1, 150, list(range(0, 24, 2)), 16), SeqAttention(1, 1, 97, list(range(1, 24, 2)), 16)]
+    else:  # one sequence verifying a tree of 3 nodes: the root, then two children of it
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        seqs = [SeqAttention(0, 3, 150, list(range(0, 24, 2)), 16, tree_mask=mask,
+                             positions=torch.tensor([147, 148, 148]))]
+    half_k, half_v = (torch.randn(slots, 3, 64).to(dtype) for _ in range(2))
+    float_k, float_v = half_k.float(), half_v.float()
+    n = sum(s.q_len for s in seqs)
+    q, k, v = torch.randn(n, 9, 64), torch.randn(n, 3, 64), torch.randn(n, 3, 64)
+    slot_mapping = torch.cat([s.slots()[-s.q_len:] for s in seqs])
+    got = paged_attention(q, k, v, half_k, half_v, build_attention_metadata(seqs, slot_mapping, 3, torch.device("cpu")),
+                          0.125, use_kernel=True)
+    want = paged_attention(q, k.to(dtype).float(), v.to(dtype).float(), float_k, float_v,
+                           build_attention_metadata(seqs, slot_mapping, 3, torch.device("cpu")), 0.125, use_kernel=True)
+    assert torch.equal(got, want)
+    assert torch.equal(half_k.float(), float_k) and torch.equal(half_v.float(), float_v)  # the same rows written
+
+
 def _greedy(llm, prompts, max_tokens=32):
     from leapdecode import SamplingParams
 
@@ -205,13 +233,30 @@ def test_engine_int8_mostly_matches_float(tiny_model_dir):
     assert_no_leaks(ref)
 
 
-def test_engine_float16_kv_with_float32_model(tiny_model_dir):
-    from leapdecode import LLM
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_engine_half_precision_kv_with_float32_model(tiny_model_dir, kv):
+    """A float16 or bfloat16 cache under a float32 model: stored rounded, read back as float32 rows by the same
+    rows kernel, so a request's tokens are the same alone (the one-token decode step), batched and verified
+    under speculation, and those of the float32 cache but for rounding."""
+    from leapdecode import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype="float16")
-    assert llm.engine.kv_cache.pool.dtype == torch.float16
-    assert len(_greedy(llm, PROMPTS[:2], max_tokens=8)[0]) == 8
+    ref = LLM(model=str(tiny_model_dir), kv_cache_blocks=64)
+    llm = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype=kv)
+    spec = LLM(model=str(tiny_model_dir), kv_cache_blocks=64, kv_cache_dtype=kv,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert llm.engine.kv_cache.pool.dtype == getattr(torch, kv)
+    prompts = [*PROMPTS[:3], "one two three four five six one two three four five six one two three"]
+    alone = [_greedy(llm, [p], max_tokens=16)[0] for p in prompts]
+    assert _greedy(llm, prompts, max_tokens=16) == alone
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = [spec.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    want = [_greedy(ref, [p], max_tokens=16)[0] for p in prompts]
+    same = [sum(a == b for a, b in zip(got, w)) / 16 for got, w in zip(alone, want)]
+    assert sum(same) / len(same) >= 0.75, same
     assert_no_leaks(llm)
+    assert_no_leaks(spec)
 
 
 def test_perplexity_through_engine(tiny_model_dir):

@@ -220,7 +220,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="KV-cache storage: auto (the model dtype, default) or int8 (quantized on write, ~4x smaller)",
+        help="KV-cache storage: auto (the model dtype, default), float32, float16 or bfloat16 (half the bytes of "
+             "float32, rounded on write), or int8 (quantized on write, ~3.6x smaller than float32)",
     )
     p.add_argument(
         "--linear-kernel",
