@@ -65,3 +65,16 @@ def test_sampling_keeps_plain_decodings_distribution(plain_tiny):
 def test_refuses_the_keys_it_does_not_read(key, value):
     with pytest.raises(ValueError, match=f"unknown speculative option '{key}' for method 'ngram'"):
         parse_config({"method": "ngram", key: value})
+
+
+def test_half_precision_model_on_a_cpu_warns_that_rounding_can_change_tokens(tiny_model_dir, recwarn):
+    """A bfloat16 model on a CPU runs torch's matmuls, whose bits depend on the rows of a step: speculation says
+    so when it starts (at load and when switched on); the float32 default does not warn."""
+    with pytest.warns(UserWarning, match="rounding"):
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_blocks=32,
+                  speculative_config={"method": "ngram"})
+    with pytest.warns(UserWarning, match="rounding"):
+        llm.engine.set_speculative_config({"method": "ngram"})
+    recwarn.clear()
+    LLM(model=str(tiny_model_dir), kv_cache_blocks=32, speculative_config={"method": "ngram"})
+    assert not [w for w in recwarn if "rounding" in str(w.message)]

@@ -9,6 +9,7 @@ import functools
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -148,8 +149,18 @@ class LLMEngine:
         self.assembler = OutputAssembler(tokenizer, self.eos_token_ids, self.max_model_len, self.stats)
         self.speculator: Drafting | None = None
         if config.speculative_config is not None:
+            self._warn_rounding()
             with parallel.replicated():  # drafters are whole on every rank (docs/tensor_parallel.md)
                 self.speculator = self._drafting()(self.drafting_view(), config.speculative_config)
+
+    def _warn_rounding(self) -> None:
+        """Drafts are verified as extra rows of one pass, and on a CPU only the float32 kernels give a row the same
+        bits however many rows the pass carries; a half-precision model there runs torch's matmuls."""
+        if self.device.type == "cpu" and self.config.torch_dtype != torch.float32:
+            warnings.warn(f"dtype={self.config.dtype!r} on a CPU runs torch's matmuls, whose rounding depends on how "
+                          "many rows a step carries: speculative decoding (like batching) can change greedy tokens "
+                          "by rounding; dtype='float32' (the CPU default) keeps them identical to plain decoding",
+                          stacklevel=3)
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """The KV blocks the scheduler plans over: the configured count, or what the memory affords; the same on
@@ -355,6 +366,7 @@ class LLMEngine:
         # the new speculator's timing steps write scratch K/V: start from an empty prefix cache
         self.block_manager.reset_prefix_cache()
         if cfg is not None:
+            self._warn_rounding()
             with parallel.replicated():
                 self.speculator = self._drafting()(self.drafting_view(), cfg)
 
