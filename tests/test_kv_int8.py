@@ -346,12 +346,12 @@ def test_engine_calibrates_at_start_up_and_returns_its_blocks(tiny_model_dir):
 
 
 @pytest.mark.skipif(extension.load_kernel() is None, reason="no C++ toolchain to build the kernel")
-@pytest.mark.parametrize("kv_dtype", ["int8", "auto"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "auto", "bfloat16", "float16"])
 def test_fused_layers_equal_the_per_op_path_bitwise(tiny_model_dir, monkeypatch, kv_dtype: str):
-    """Decode and verification steps run all decoder layers in one C++ call (decoder_stack of decoder_layer, or
-    of decoder_layer_i8 over an int8 cache); it must give the bits of one C++ call per layer and of the per-op
-    path (for int8: query into the cache basis, quantizing write, int8 rows kernel, output rotation), or a
-    token's result would depend on which path its step took."""
+    """Decode and verification steps run all decoder layers in one C++ call (decoder_stack of decoder_layer over a
+    float32, bfloat16 or float16 cache, or of decoder_layer_i8 over an int8 cache); it must give the bits of one
+    C++ call per layer and of the per-op path (for int8: query into the cache basis, quantizing write, int8 rows
+    kernel, output rotation), or a token's result would depend on which path its step took."""
     from leapdecode import LLM
     from leapdecode.engine.model_runner import ForwardItem
     from leapdecode.models.llama import DecoderLayer, LlamaForCausalLM

@@ -1,5 +1,6 @@
-// Attention of few query rows over the paged float32 KV cache (decode tokens, drafts, tree nodes); the pieces it
-// shares with the int8 cache's kernel are in attention_rows.h.
+// Attention of few query rows over the paged float32, bfloat16 or float16 KV cache (decode tokens, drafts, tree
+// nodes; a half cache's rows widened to float32 as they are read); the pieces it shares with the int8 cache's
+// kernel are in attention_rows.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -11,7 +12,9 @@
 
 // What every task of one float-cache attention call reads and writes.
 struct RowsCall {
-  const float *q, *k, *v;  // q [T, H, D]; caches [num_slots, Hkv, D]
+  const float* q;          // [T, H, D]
+  const void *k, *v;       // caches [num_slots, Hkv, D] of the element type attend_run reads
+
   const int64_t *rows, *span, *slots;
   int64_t H, G, D, Hkv;
   float scale;
@@ -27,6 +30,7 @@ struct RowsCall {
 // of V in key order. A run of rows reads its shared keys block by block (16 KB of one head's rows, in L1) for
 // every row before the next block: the groups of four and the sums' order stay the row's own, the accumulators
 // pass through memory unchanged, so the bits are the same as the row's alone, decoded, batched or in a tree.
+template <typename T>
 static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float>& buf, std::vector<int64_t>& meta) {
   const int64_t G = x.G, D = x.D, row = x.Hkv * D, h = task.head, c = task.chunk, nr = task.r1 - task.r0;
   meta.resize(3 * nr);  // per row: end of its range, padded score count, offset of its scores in buf
@@ -49,27 +53,27 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
   // alone; block by block while a block's rows are in L1
   const int64_t s = nr > 1 && task.shared > a ? a + (std::min(task.shared, bmin) - a) / 4 * 4 : a;
   const int64_t block = std::max<int64_t>(4, 4096 / D / 4 * 4);
-  const float *kh = x.k + h * D, *vh = x.v + h * D;
+  const T *kh = static_cast<const T*>(x.k) + h * D, *vh = static_cast<const T*>(x.v) + h * D;
   const int64_t* common = x.slots + x.span[2 * task.r0];
   auto query = [&](int64_t i) { return x.q + x.rows[task.r0 + i] * x.H * D + h * G * D; };
   auto own = [&](int64_t i) { return x.slots + x.span[2 * (task.r0 + i)]; };
   auto scores = [&](int64_t i, int64_t j) { return buf.data() + meta[3 * i + 2] + (j - a); };
   // each pass's first rows are fetched before it (the passes fetch kPrefetchKeys ahead of themselves); a run's
   // shared blocks, the next block while the rows score this one
-  const int64_t lines = D / 16;
-  prefetch_rows(kh, common + a, std::min(block, s - a), row, lines);
+  const int64_t bytes = D * int64_t(sizeof(T));  // one head's row, fetched ahead by each pass
+  prefetch_rows(kh, common + a, std::min(block, s - a), row, bytes);
   for (int64_t j = a; j < s; j += block) {
-    prefetch_rows(kh, common + j + block, std::min(block, s - j - block), row, lines);
+    prefetch_rows(kh, common + j + block, std::min(block, s - j - block), row, bytes);
     for (int64_t i = 0; i < nr; ++i)
       score_keys(query(i), kh, common + j, std::min(block, s - j), row, G, D, x.scale, scores(i, j), meta[3 * i + 1]);
   }
   for (int64_t i = 0; i < nr; ++i) {
-    prefetch_rows(kh, own(i) + s, meta[3 * i] - s, row, lines);
+    prefetch_rows(kh, own(i) + s, meta[3 * i] - s, row, bytes);
     score_keys(query(i), kh, own(i) + s, meta[3 * i] - s, row, G, D, x.scale, scores(i, s), meta[3 * i + 1]);
   }
   // the V passes' first rows start coming while the softmax runs
-  if (s > a) prefetch_rows(vh, common + a, std::min(block, s - a), row, lines);
-  for (int64_t i = 0; i < nr; ++i) prefetch_rows(vh, own(i) + s, meta[3 * i] - s, row, lines);
+  if (s > a) prefetch_rows(vh, common + a, std::min(block, s - a), row, bytes);
+  for (int64_t i = 0; i < nr; ++i) prefetch_rows(vh, own(i) + s, meta[3 * i] - s, row, bytes);
   // row i's chunk record (G of [m, s, o]; chunked rows) and where its weighted sums go: its output, or the record
   auto part = [&](int64_t i) {
     const int64_t r = task.r0 + i;
@@ -92,7 +96,7 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
     }
   }
   for (int64_t j = a; j < s; j += block) {
-    prefetch_rows(vh, common + j + block, std::min(block, s - j - block), row, lines);
+    prefetch_rows(vh, common + j + block, std::min(block, s - j - block), row, bytes);
     for (int64_t i = 0; i < nr; ++i)
       weighted_sum_heads(scores(i, j), meta[3 * i + 1], vh, common + j, std::min(block, s - j), row, G, D, dst(i),
                          stride, j == a);
@@ -110,19 +114,23 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
               "attention_rows: out");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "attention_rows: contiguous float32 caches [slots, Hkv, D]");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == dtype &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
+                  k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "attention_rows: contiguous float32, bfloat16 or float16 caches [slots, Hkv, D], both of one type");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
   const int64_t R = rows.numel(), num_slots = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "attention_rows: head shapes");
+  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0 && D <= kMaxHeadDim, "attention_rows: head shapes");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows");
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
+  const auto run = dtype == torch::kFloat32 ? attend_run<float>
+                   : dtype == torch::kBFloat16 ? attend_run<c10::BFloat16> : attend_run<c10::Half>;
   float* outp = out.data_ptr<float>();
   const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, false, true);
   std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
@@ -133,7 +141,7 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   at::parallel_for(0, num_tasks, work >= 2048 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     std::vector<int64_t> meta;
-    for (int64_t task = begin; task < end; ++task) attend_run(call, tasks.tasks[task], buf, meta);
+    for (int64_t task = begin; task < end; ++task) run(call, tasks.tasks[task], buf, meta);
   });
   merge_chunks(parts, tasks.first_part, rp, R, Hkv, G, D, outp);  // long rows only
 }

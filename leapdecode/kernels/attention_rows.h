@@ -6,6 +6,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -16,23 +18,77 @@
 
 #include "vec_math.h"
 
+// A K or V row's 16 elements as float32: a float32 cache's as stored, a bfloat16 or float16 cache's widened. Every
+// bfloat16 and float16 value is exactly a float32 value, so one routine serves the three caches and a half cache's
+// rows give the float32 routine's bits for the same stored values.
+static inline v16f load16(const float* p) {
+  v16f x;
+  __builtin_memcpy(&x, p, 64);
+  return x;
+}
+
+static inline v16f load16(const c10::BFloat16* p) {
+  typedef uint16_t v16u16 __attribute__((vector_size(32)));
+  typedef uint32_t v16u32 __attribute__((vector_size(64)));
+  v16u16 h;
+  __builtin_memcpy(&h, p, 32);
+  const v16u32 w = __builtin_convertvector(h, v16u32) << 16;  // bfloat16 is float32's upper half
+  v16f x;
+  __builtin_memcpy(&x, &w, 64);
+  return x;
+}
+
+static inline v16f load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16f x;
+  __builtin_memcpy(&x, &lo, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&x) + 32, &hi, 32);
+  return x;
+#else
+  v16f x;
+  for (int i = 0; i < 16; ++i) x[i] = float(p[i]);
+  return x;
+#endif
+}
+
+// The widest head the general head widths' loops take (they widen one row into a buffer of this many floats).
+constexpr int64_t kMaxHeadDim = 1024;
+
+// a row of d elements as float32: a float32 row itself, a half row widened into buf
+static inline const float* widen(const float* p, int64_t, float*) { return p; }
+template <typename T>
+static inline const float* widen(const T* p, int64_t d, float* buf) {
+  for (int64_t i = 0; i < d; ++i) buf[i] = float(p[i]);
+  return buf;
+}
+
+// fetch the first `bytes` of a row into L2 (line by line)
+template <typename T>
+static inline void prefetch_row(const T* r, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, 1);
+}
+
 // How far ahead of the key being read its K or V rows are fetched, into L2: a batch's rows each read their own
 // K/V from memory, and a core keeps only so many lines in flight into L1; 64 keys into L2 took 16 sequences of
 // 1,000 positions from 16 to 20 GB/s (30 layers: 47.8 -> 37.4 ms). The callers fetch a pass's first keys before it
 // starts (prefetch_rows).
 constexpr int64_t kPrefetchKeys = 64;
 
-// the rows of the first keys of a pass over slots[0 .. n) (`lines` 64-byte lines each), into L2
-static inline void prefetch_rows(const float* base, const int64_t* slots, int64_t n, int64_t row, int64_t lines) {
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
-    for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(base + slots[j] * row + 16 * c, 0, 1);
+// the rows of the first keys of a pass over slots[0 .. n) (their first `bytes` each), into L2
+template <typename T>
+static inline void prefetch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row, int64_t bytes) {
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) prefetch_row(base + slots[j] * row, bytes);
 }
 
 // out[0 .. 16C) = sum_j p[j] * V[slots[j]] (V rows at v + slots[j] * row), summed over j in order, onto the sum
 // already in out (init: from zero). A sum continued over consecutive ranges of j is the same bits as one call over
 // their union: the accumulators pass through memory unchanged.
-template <int C>
-static inline void weighted_rows(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+template <int C, typename T>
+static inline void weighted_rows(const float* p, const T* v, const int64_t* slots, int64_t n, int64_t row,
                                  float* out, bool init) {
   v16f acc[C];
   for (int c = 0; c < C; ++c) {
@@ -40,36 +96,35 @@ static inline void weighted_rows(const float* p, const float* v, const int64_t* 
     if (!init) __builtin_memcpy(&acc[c], out + 16 * c, 64);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + slots[j] * row;
-    for (int c = 0; c < C; ++c) {
-      v16f x;
-      __builtin_memcpy(&x, vj + 16 * c, 64);
-      acc[c] += x * p[j];
-    }
+    const T* vj = v + slots[j] * row;
+    for (int c = 0; c < C; ++c) acc[c] += load16(vj + 16 * c) * p[j];
   }
   for (int c = 0; c < C; ++c) __builtin_memcpy(out + 16 * c, &acc[c], 64);
 }
 
 // out[0 .. D) (+)= sum_j p[j] * V[slots[j]] for any head width: in registers for the common widths (no
 // store-to-load chain through the output), axpy otherwise
-static inline void weighted_sum(const float* p, const float* v, const int64_t* slots, int64_t n, int64_t row,
+template <typename T>
+static inline void weighted_sum(const float* p, const T* v, const int64_t* slots, int64_t n, int64_t row,
                                 int64_t D, float* out, bool init) {
   switch (D) {
     case 32: weighted_rows<2>(p, v, slots, n, row, out, init); break;
     case 64: weighted_rows<4>(p, v, slots, n, row, out, init); break;
     case 128: weighted_rows<8>(p, v, slots, n, row, out, init); break;
-    default:
+    default: {
       if (init)
         for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
-      for (int64_t j = 0; j < n; ++j) axpy(p[j], v + slots[j] * row, out, D);
+      float buf[kMaxHeadDim];
+      for (int64_t j = 0; j < n; ++j) axpy(p[j], widen(v + slots[j] * row, D, buf), out, D);
+    }
   }
 }
 
 // weighted_rows<C> for NG query heads at once (probabilities p[g * np + j]; head g's sum to out + g * stride):
 // each V row is loaded once for all heads and NG * C independent sums hide the FMA latency that bounds a single
 // head's C sums. Every head's sums run in weighted_rows' order, so the results are the same bits.
-template <int NG, int C>
-static inline void weighted_rows_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+template <int NG, int C, typename T>
+static inline void weighted_rows_heads(const float* p, int64_t np, const T* v, const int64_t* slots, int64_t n,
                                        int64_t row, float* out, int64_t stride, bool init) {
   v16f acc[NG][C];
   for (int g = 0; g < NG; ++g)
@@ -78,11 +133,10 @@ static inline void weighted_rows_heads(const float* p, int64_t np, const float* 
       if (!init) __builtin_memcpy(&acc[g][c], out + g * stride + 16 * c, 64);
     }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + slots[j] * row;
-    if (j + kPrefetchKeys < n)
-      for (int c = 0; c < C; ++c) __builtin_prefetch(v + slots[j + kPrefetchKeys] * row + 16 * c, 0, 1);
+    const T* vj = v + slots[j] * row;
+    if (j + kPrefetchKeys < n) prefetch_row(v + slots[j + kPrefetchKeys] * row, 16 * C * int64_t(sizeof(T)));
     v16f x[C];
-    for (int c = 0; c < C; ++c) __builtin_memcpy(&x[c], vj + 16 * c, 64);
+    for (int c = 0; c < C; ++c) x[c] = load16(vj + 16 * c);
     for (int g = 0; g < NG; ++g) {
       const float pj = p[g * np + j];
       for (int c = 0; c < C; ++c) acc[g][c] += x[c] * pj;
@@ -95,7 +149,8 @@ static inline void weighted_rows_heads(const float* p, int64_t np, const float* 
 // the G query heads' weighted sums over one KV head's V rows (v already offset to the head), head g's to
 // out + g * stride (init: from zero, else onto what is there): all heads in one pass for the common shapes,
 // weighted_sum per head otherwise (same bits)
-static inline void weighted_sum_heads(const float* p, int64_t np, const float* v, const int64_t* slots, int64_t n,
+template <typename T>
+static inline void weighted_sum_heads(const float* p, int64_t np, const T* v, const int64_t* slots, int64_t n,
                                       int64_t row, int64_t G, int64_t D, float* out, int64_t stride, bool init) {
   if (D == 64 && G == 3) {  // SmolLM2's shape (9 query heads on 3 KV heads)
     weighted_rows_heads<3, 4>(p, np, v, slots, n, row, out, stride, init);
@@ -156,25 +211,24 @@ static inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 // scores sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads of one KV head (k at the head's
 // offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 16 keys ahead
-template <int NG, int G>
-static inline void score_rows(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, float scale,
+template <typename T, int NG, int G>
+static inline void score_rows(const float* q, const T* k, const int64_t* slots, int64_t n, int64_t row, float scale,
                        float* sh, int64_t np) {
   constexpr int64_t D = 16 * NG;
   __m512 qv[G][NG];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NG; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-  auto score = [&](const float* kj, int g) {
-    __m512 a = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kj));
-    for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(kj + 16 * c), a);
+  auto score = [&](const T* kj, int g) {
+    __m512 a = _mm512_mul_ps(qv[g][0], (__m512)load16(kj));
+    for (int c = 1; c < NG; ++c) a = _mm512_fmadd_ps(qv[g][c], (__m512)load16(kj + 16 * c), a);
     return a;
   };
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     __m512 acc[G][4];
     for (int u = 0; u < 4; ++u) {
-      if (j + u + kPrefetchKeys < n)
-        for (int c = 0; c < NG; ++c) __builtin_prefetch(k + slots[j + u + kPrefetchKeys] * row + 16 * c, 0, 1);
-      const float* kj = k + slots[j + u] * row;
+      if (j + u + kPrefetchKeys < n) prefetch_row(k + slots[j + u + kPrefetchKeys] * row, D * int64_t(sizeof(T)));
+      const T* kj = k + slots[j + u] * row;
       for (int g = 0; g < G; ++g) acc[g][u] = score(kj, g);
     }
     for (int g = 0; g < G; ++g)
@@ -204,27 +258,38 @@ static auto for_shape(int64_t D, int64_t G) -> decltype(Pick<4, 1>::fn) {
   return nullptr;
 }
 
-template <int NG, int G>
-struct ScorePick {
-  static constexpr auto fn = score_rows<NG, G>;
+template <typename T>
+struct ScoreRows {
+  template <int NG, int G>
+  struct Pick {
+    static constexpr auto fn = score_rows<T, NG, G>;
+  };
 };
-typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
-static inline ScoreFn score_rows_for(int64_t D, int64_t G) { return for_shape<ScorePick>(D, G); }
+template <typename T>
+using ScoreFn = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+template <typename T>
+static inline ScoreFn<T> score_rows_for(int64_t D, int64_t G) {
+  return for_shape<ScoreRows<T>::template Pick>(D, G);
+}
 #else
-typedef void (*ScoreFn)(const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
-static inline ScoreFn score_rows_for(int64_t, int64_t) { return nullptr; }
+template <typename T>
+using ScoreFn = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, float, float*, int64_t);
+template <typename T>
+static inline ScoreFn<T> score_rows_for(int64_t, int64_t) { return nullptr; }
 #endif
 
 // sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads q [G, D] of one KV head (k at that head's
 // offset, rows `row` floats apart): score_rows for the common shapes, one dot product per key and head otherwise
-static inline void score_keys(const float* q, const float* k, const int64_t* slots, int64_t n, int64_t row, int64_t G,
+template <typename T>
+static inline void score_keys(const float* q, const T* k, const int64_t* slots, int64_t n, int64_t row, int64_t G,
                        int64_t D, float scale, float* sh, int64_t np) {
-  if (const ScoreFn fn = score_rows_for(D, G)) {
+  if (const ScoreFn<T> fn = score_rows_for<T>(D, G)) {
     fn(q, k, slots, n, row, scale, sh, np);
     return;
   }
+  float buf[kMaxHeadDim];
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + slots[j] * row;
+    const float* kj = widen(k + slots[j] * row, D, buf);
     if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
     for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
   }

@@ -13,23 +13,44 @@
 // than in these copies and sums. Both give the bits the torch ops they replace give (a copy; one rounding per sum,
 // and x + y == y + x in IEEE arithmetic).
 
-// cache[slot_mapping[t]] = src[t] for each row t of src [T, Hkv, D] (rows may be strided, each row contiguous), as
-// cache.index_copy_(0, slot_mapping, src) does
-static void write_cache_rows(torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& src) {
-  const int64_t T = src.size(0), row = cache.size(1) * cache.size(2), num_slots = cache.size(0);
-  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat32 && src.scalar_type() == torch::kFloat32 &&
-                  src.dim() == 3 && src.size(1) * src.size(2) == row && src.stride(2) == 1 &&
-                  src.stride(1) == src.size(2) && slot_mapping.numel() == T &&
-                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
-              "decoder_layer: K/V rows [T, Hkv, D] float32 with contiguous rows, a cache [slots, Hkv, D], T slots");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+// a float32 row stored into a cache row of element type E: copied, or rounded to bfloat16 / float16 as torch's .to() rounds
+static inline void store_row(float* to, const float* from, int64_t n) { std::memcpy(to, from, n * sizeof(float)); }
+template <typename E>
+static inline void store_row(E* to, const float* from, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = E(from[i]);
+}
+
+template <typename E>
+static void store_rows(torch::Tensor& cache, const int64_t* slot, const torch::Tensor& src, int64_t row) {
+  const int64_t T = src.size(0), num_slots = cache.size(0);
   const float* from = src.data_ptr<float>();
-  float* to = cache.data_ptr<float>();
+  E* to = cache.data_ptr<E>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decoder_layer: slot ", slot[t], " out of range [0, ",
                 num_slots, ")");
-    std::memcpy(to + slot[t] * row, from + t * src.stride(0), row * sizeof(float));
+    store_row(to + slot[t] * row, from + t * src.stride(0), row);
   }
+}
+
+// cache[slot_mapping[t]] = src[t] for each row t of src [T, Hkv, D] (rows may be strided, each row contiguous), as
+// cache.index_copy_(0, slot_mapping, src.to(cache.dtype)) does
+static void write_cache_rows(torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& src) {
+  const int64_t T = src.size(0), row = cache.size(1) * cache.size(2);
+  const auto dtype = cache.scalar_type();
+  TORCH_CHECK(cache.is_contiguous() && src.scalar_type() == torch::kFloat32 &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
+                  src.dim() == 3 && src.size(1) * src.size(2) == row && src.stride(2) == 1 &&
+                  src.stride(1) == src.size(2) && slot_mapping.numel() == T &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "decoder_layer: K/V rows [T, Hkv, D] float32 with contiguous rows, a float32, bfloat16 or float16 "
+              "cache [slots, Hkv, D], T slots");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  if (dtype == torch::kFloat32)
+    store_rows<float>(cache, slot, src, row);
+  else if (dtype == torch::kBFloat16)
+    store_rows<c10::BFloat16>(cache, slot, src, row);
+  else
+    store_rows<c10::Half>(cache, slot, src, row);
 }
 
 // y += x, both [T, N] contiguous float32: the residual sum, in y's storage

@@ -31,6 +31,8 @@ from leapdecode.layers.kv_quant import KVPlane, QuantizedKV, read_kv_range, read
 
 # New-token count up to which sequences are batched into one padded attention call.
 SMALL_QUERY = 16
+# float caches the C++ rows kernel reads (kernels/attention_rows.cpp; a half cache's rows widened to float32)
+ROWS_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -126,7 +128,6 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     num_tokens: int
     _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    _compact: tuple[torch.Tensor, torch.Tensor] | None = None
     # the same step as seen by layers with a sliding window, by window size (built with the step)
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
     _triton: triton_attention.RowBatch | None = None
@@ -170,18 +171,6 @@ class AttentionMetadata:
             else:
                 self._rows = _listed_rows(seqs)
         return self._rows
-
-    def compact_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots :meth:`kernel_rows` lists, once each (``used``, ascending), and every listed slot's index in
-        ``used``: a half-precision cache gathers ``used`` as float32 rows and the rows kernel reads those. Built on
-        first use in a step, then reused by every layer."""
-        if self._compact is None:
-            rows = self.kernel_rows()
-            if rows is None:
-                raise ValueError("compact_rows of a step with no kernel rows")
-            used, local = torch.unique(rows[2], return_inverse=True)
-            self._compact = used, local
-        return self._compact
 
 
 def _causal_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -365,14 +354,11 @@ def _paged_attention(
     group = heads // hkv
     groups = meta.groups
     kernel_rows = None
-    float_rows = (isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype == torch.float32
-                  and k_cache.device.type == "cpu")  # fmt: skip
+    float_rows = (isinstance(k_cache, torch.Tensor) and k_cache.dtype in ROWS_KERNEL_DTYPES
+                  and q.dtype == torch.float32 and k_cache.device.type == "cpu")  # fmt: skip
     int8_rows = (isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV) and q.dtype == torch.float32
                  and int8_kv.int8_kv_kernels(k_cache))  # fmt: skip
-    # a float16 or bfloat16 cache under float32 queries: its rows gathered once as float32, then the same kernel
-    half_rows = (isinstance(k_cache, torch.Tensor) and k_cache.dtype in (torch.float16, torch.bfloat16)
-                 and q.dtype == torch.float32 and k_cache.device.type == "cpu")  # fmt: skip
-    if use_kernel and (float_rows or int8_rows or half_rows):
+    if use_kernel and (float_rows or int8_rows):
         # few-row groups (decode, drafts, trees) in one C++ call, each row alone: bit-identical across batchings
         kernel_rows = meta.kernel_rows()
     triton_rows = meta.triton_rows(q.device) if kernel_rows is None and triton_attention.applies(q, k_cache) else None
@@ -387,10 +373,6 @@ def _paged_attention(
         out = torch.empty_like(q)
         if int8_rows:  # reads the int8 rows themselves: ~3.6x fewer bytes than a float32 cache
             attention_rows.attention_rows_i8(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
-        elif half_rows:
-            used, local = meta.compact_rows()
-            kf, vf = (c.index_select(0, used).float() for c in (k_cache, v_cache))
-            attention_rows.attention_rows(q.contiguous(), kf, vf, kernel_rows[0], kernel_rows[1], local, scale, out)
         else:
             attention_rows.attention_rows(q.contiguous(), k_cache, v_cache, *kernel_rows, scale, out)
         groups = [g for g in groups if g.seqs is None or g.split is not None]

@@ -10,8 +10,9 @@ from leapdecode.kernels import extension
 
 
 def attention_rows(q, k_cache, v_cache, rows, spans, slots, scale: float, out: torch.Tensor) -> None:
-    """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32 cache slots
-    ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/attention_rows.cpp; see attention.AttentionMetadata.kernel_rows)."""
+    """Fill ``out[rows[r]]`` ([T, H, D]) with row ``rows[r]``'s attention over the float32, bfloat16 or float16
+    cache slots ``slots[spans[r, 0]:spans[r, 1]]`` (kernels/attention_rows.cpp; see
+    attention.AttentionMetadata.kernel_rows)."""
     extension.ext.attention_rows(q, k_cache, v_cache, rows, spans, slots, scale, out)
 
 

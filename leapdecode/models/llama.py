@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leapdecode.layers import decoder_stack, int8_kv, layer_ops, small_gemm
-from leapdecode.layers.attention import AttentionMetadata, paged_attention
+from leapdecode.layers.attention import ROWS_KERNEL_DTYPES, AttentionMetadata, paged_attention
 from leapdecode.layers.kv_quant import QuantizedKV
 from leapdecode.layers.linear import (
     ColumnParallelLinear,
@@ -178,14 +178,14 @@ class DecoderLayer(nn.Module):
 
 
 def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """One layer's KV cache as the C++ layer takes it, or None when that layer must run op by op: a float32 cache
-    is ``([K, V], [])``; an int8 cache the C++ ops serve, once it no longer observes keys for calibration, is its
-    four planes ``[k data, k scales, v data, v scales]`` and four transforms ``[k shift, k smooth, k rotation,
-    v rotation]`` (empty = identity). Shared by the per-layer call and the whole-stack call, so both take the fused
-    path for exactly the same caches."""
+    """One layer's KV cache as the C++ layer takes it, or None when that layer must run op by op: a float32,
+    bfloat16 or float16 cache is ``([K, V], [])``; an int8 cache the C++ ops serve, once it no longer observes keys
+    for calibration, is its four planes ``[k data, k scales, v data, v scales]`` and four transforms ``[k shift,
+    k smooth, k rotation, v rotation]`` (empty = identity). Shared by the per-layer call and the whole-stack call,
+    so both take the fused path for exactly the same caches."""
     k, v = kv
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        return ([k, v], []) if k.dtype == v.dtype == torch.float32 else None
+        return ([k, v], []) if k.dtype == v.dtype and k.dtype in ROWS_KERNEL_DTYPES else None
     if not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.observed is None
             and int8_kv.int8_kv_kernels(k)):
         return None
@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
         if weights.norms and planes[0][1]:  # type: ignore[index]
-            return None  # the normed layout runs over float32 caches only
+            return None  # the normed layout runs over float caches only (float32, bfloat16, float16)
         return decoder_stack.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
                                      [t for p in planes for t in p[1]],  # type: ignore[index]
                                      next(iter(windows - {None}), None))
