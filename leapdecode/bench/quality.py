@@ -1,8 +1,8 @@
 """The quality table of the lossy options: what each one costs, in numbers that tell them apart.
 
 For plain float32 decoding (the reference) and every lossy option -- int8 activations
-(``linear_kernel="packed-int8act"``), the int8 KV cache (``kv_cache_dtype="int8"``), blockwise decoding's top-k
-acceptance, and auto's lossy branch (``lossless: false``) -- on one model and machine:
+(``linear_kernel="packed-int8act"``), the int8, bfloat16 and float16 KV caches (``kv_cache_dtype``), blockwise
+decoding's top-k acceptance, and auto's lossy branch (``lossless: false``) -- on one model and machine:
 
 - **perplexity** on ``../shared/data/wikitext2/test.txt`` (the first ``ppl_tokens`` tokens in windows of 512),
   scored through the option's engine (eval/perplexity.py: its kernels, its KV cache);
@@ -47,6 +47,8 @@ LOSSY_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any] | None, str]] = {
     "none (float32)": ({}, None, "reference"),
     "int8 activations": ({"linear_kernel": "packed-int8act"}, None, "model"),
     "int8 KV cache": ({"kv_cache_dtype": "int8"}, None, "model"),
+    "bfloat16 KV cache": ({"kv_cache_dtype": "bfloat16"}, None, "model"),
+    "float16 KV cache": ({"kv_cache_dtype": "float16"}, None, "model"),
     "blockwise top-2": ({}, {"method": "blockwise", "acceptance": "topk", "top_k": 2}, "decoding"),
     "auto lossy branch": ({}, {"method": "auto", "lossless": False}, "decoding"),
 }
