@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from leapdecode.engine.kv_cache import available_memory_bytes
 from leapdecode.layers.kv_quant import KV_DTYPES, kv_bytes_per_token
 from leapdecode.models.config import ModelConfig
 from leapdecode.models.loader import kept_weight_bytes, load_config, resolve_model
@@ -103,8 +104,6 @@ def make_plan(
         raise ValueError(f"context, batch and block size must be >= 1, got {context}, {batch}, {block_size}")
     source = "--memory-gb"
     if memory_bytes is None:
-        from leapdecode.engine.kv_cache import available_memory_bytes
-
         memory_bytes, source = available_memory_bytes(torch.device("cpu")), "available system memory"
     n_params = cfg.num_params()
     if weight_bytes is None:

@@ -28,8 +28,10 @@ from leapdecode.engine.output_assembly import EngineStats, OutputAssembler
 from leapdecode.engine.sampling import sample_rows, stack_rows
 from leapdecode.engine.scheduler import ScheduledSeq, Scheduler
 from leapdecode.engine.sequence import Sequence
+from leapdecode.engine.swap import HostKVPool
 from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
 from leapdecode.layers import small_gemm
+from leapdecode.layers.kv_quant import resolve_kv_dtype
 from leapdecode.models import kernel_plan
 from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, resolve_tokenizer
 from leapdecode.models.stops import template_end_ids, unique
@@ -106,8 +108,6 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # the checkpoint's end-of-sequence/turn ids, the tokenizer's and its chat template's end of turn
         self.eos_token_ids = unique([*mcfg.eos_token_ids, *template_end_ids(tokenizer)])
-        from leapdecode.layers.kv_quant import resolve_kv_dtype
-
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.torch_dtype)  # int8: quantized KV cache
         num_blocks = self._num_kv_blocks(kv_dtype)
         use_graphs = cuda_graphs.wanted(self.device, config.enforce_eager, config.kv_device_layers,
@@ -118,8 +118,6 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = None
         if config.swap_space_gb > 0:
-            from leapdecode.engine.swap import HostKVPool
-
             per_block = self.kv_cache.nbytes // pool_blocks
             # every rank's scheduler must swap alike: one block count (a rank with fewer KV heads fits more), and
             # each rank its own file (its own KV heads)
