@@ -14,7 +14,6 @@
 struct RowsCall {
   const float* q;          // [T, H, D]
   const void *k, *v;       // caches [num_slots, Hkv, D] of the element type attend_run reads
-
   const int64_t *rows, *span, *slots;
   int64_t H, G, D, Hkv;
   float scale;

@@ -210,7 +210,7 @@ static inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // scores sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads of one KV head (k at the head's
-// offset, rows `row` floats apart), D = 16 NG: four keys at a time, each key's lines fetched 16 keys ahead
+// offset, rows `row` elements apart), D = 16 NG: four keys at a time, each key's lines fetched kPrefetchKeys keys ahead
 template <typename T, int NG, int G>
 static inline void score_rows(const float* q, const T* k, const int64_t* slots, int64_t n, int64_t row, float scale,
                        float* sh, int64_t np) {
@@ -279,7 +279,7 @@ static inline ScoreFn<T> score_rows_for(int64_t, int64_t) { return nullptr; }
 #endif
 
 // sh[g * np + j] = scale * q_g . K[slots[j]] for the G query heads q [G, D] of one KV head (k at that head's
-// offset, rows `row` floats apart): score_rows for the common shapes, one dot product per key and head otherwise
+// offset, rows `row` elements apart): score_rows for the common shapes, one dot product per key and head otherwise
 template <typename T>
 static inline void score_keys(const float* q, const T* k, const int64_t* slots, int64_t n, int64_t row, int64_t G,
                        int64_t D, float scale, float* sh, int64_t np) {

@@ -13,7 +13,8 @@
 // than in these copies and sums. Both give the bits the torch ops they replace give (a copy; one rounding per sum,
 // and x + y == y + x in IEEE arithmetic).
 
-// a float32 row stored into a cache row of element type E: copied, or rounded to bfloat16 / float16 as torch's .to() rounds
+// a float32 row stored into a cache row of element type E: copied, or rounded to bfloat16 / float16 as torch's
+// .to() rounds
 static inline void store_row(float* to, const float* from, int64_t n) { std::memcpy(to, from, n * sizeof(float)); }
 template <typename E>
 static inline void store_row(E* to, const float* from, int64_t n) {
