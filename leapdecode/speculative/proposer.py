@@ -83,6 +83,11 @@ class Proposal:
     parents: list[int] | None = None
 
 
+def tree_proposal(tokens: list[int], parents: list[int]) -> Proposal:
+    """A deterministic tree of these nodes, or no draft when there are none."""
+    return Proposal(tokens, None, parents) if tokens else Proposal([])
+
+
 class StepCost(Protocol):
     """The engine's step-cost model (policy.StepCostModel) as drafters use it."""
 
@@ -203,4 +208,4 @@ def tensor_bytes(*parts: torch.nn.Module | torch.Tensor | None) -> int:
     return total
 
 
-__all__ = ["EngineView", "Proposal", "Proposer", "StepCost", "Verification", "tensor_bytes"]
+__all__ = ["EngineView", "Proposal", "Proposer", "StepCost", "Verification", "tensor_bytes", "tree_proposal"]

@@ -39,7 +39,7 @@ from leapdecode.layers.layer_ops import record_successors
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.options import check, is_int
 from leapdecode.speculative.policy import TreeRealism
-from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification
+from leapdecode.speculative.proposer import EngineView, Proposal, Proposer, StepCost, Verification, tree_proposal
 
 RecyclingTree = Literal["static", "dynamic"]
 RECYCLING_TREES: tuple[str, ...] = get_args(RecyclingTree)
@@ -383,14 +383,14 @@ class RecyclingProposer(Proposer):
                 continue
             tokens, parents, drafted = self._tree(seq, k)
             self._drafted[seq.request_id] = drafted
-            out.append(Proposal(tokens, None, parents) if tokens else Proposal([]))
+            out.append(tree_proposal(tokens, parents))
         return out
 
     def peek(self, seq: Sequence, budget: int) -> Proposal:
         if budget <= 0:
             return Proposal([])
         tokens, parents, _ = self._tree(seq, budget)
-        return Proposal(tokens, None, parents) if tokens else Proposal([])
+        return tree_proposal(tokens, parents)
 
     def _tree(self, seq: Sequence, k: int) -> tuple[list[int], list[int], Drafted]:
         """``seq``'s tree of at most ``k`` nodes from its last token, and what its verification will learn from."""

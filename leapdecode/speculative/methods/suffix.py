@@ -41,7 +41,7 @@ from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.recycling import Node, best_size
 from leapdecode.speculative.options import check, is_int, is_prob
 from leapdecode.speculative.policy import TreeRealism
-from leapdecode.speculative.proposer import Proposal, Proposer, StepCost, Verification
+from leapdecode.speculative.proposer import Proposal, Proposer, StepCost, Verification, tree_proposal
 
 NODE_BYTES = 260  # Python bytes per trie node, measured with tracemalloc (object, child dict, parent entry)
 TEXT_BYTES = 150  # a kept text's array and its entry in the cache's order
@@ -455,13 +455,12 @@ class SuffixProposer(Proposer):
             idx = self._index(seq)
             idx.drafted = nodes
             idx.drafted_from = idx.grown_from[:k] if nodes and idx.grown_from is not None else None
-            out.append(Proposal([n.token for n in nodes], None, [n.parent for n in nodes]) if nodes
-                       else Proposal([]))
+            out.append(self.peek(seq, k))  # the same nodes: grow is cached for this length
         return out
 
     def peek(self, seq: Sequence, budget: int) -> Proposal:
         nodes = self.grow(seq)[:budget] if budget > 0 else []
-        return Proposal([n.token for n in nodes], None, [n.parent for n in nodes]) if nodes else Proposal([])
+        return tree_proposal([n.token for n in nodes], [n.parent for n in nodes])
 
     # ------------------------------------------------------------------------------------------ learning
     def on_verified(self, seq: Sequence, result: Verification) -> None:
