@@ -60,6 +60,26 @@ def test_sampling_keeps_plain_decodings_distribution(plain_tiny):
     assert_same_distribution(plain_tiny, spec)
 
 
+def test_seeded_sampling_is_plain_samplings_own_tokens_at_any_batch(plain_tiny):
+    """A chain of deterministic drafts is verified by drawing the target's token at each position (plain
+    sampling's draws, in order), so a seeded request gets plain sampling's tokens whatever its drafts were, batched
+    or alone (rejection sampling's uniform draws made them depend on how many drafts each step carried)."""
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "ngram", "use_cost_model": False,
+                                                              "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    # prompts of what the model tends to sample, so prompt lookup's drafts are accepted now and then
+    own = _tokens(plain_tiny, ["a b c a b c a b"] * 12,
+                  [SamplingParams(temperature=1.0, top_k=2, max_tokens=6, seed=i, ignore_eos=True) for i in range(12)])
+    prompts = [{"prompt_token_ids": [t for w in own[i:] + own[:i] for t in w]} for i in range(8)]
+    params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=24, seed=11 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = _tokens(plain_tiny, prompts, params)
+    batched = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == want
+    assert sum(o.metrics.num_accepted_tokens for o in batched) > 0
+    assert [_tokens(spec, [p], [sp])[0] for p, sp in zip(prompts[:3], params)] == want[:3]
+    assert_no_leaks(spec)
+
+
 @pytest.mark.parametrize("key,value", [("draft_linear_kernel", "packed-int8act"), ("model", "x"),
                                        ("min_draft_prob", 0.1), ("tree_nodes", 4)])
 def test_refuses_the_keys_it_does_not_read(key, value):

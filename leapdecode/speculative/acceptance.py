@@ -12,7 +12,9 @@ decoding would produce.
 Sampling (Leviathan et al. 2023, Chen et al. 2023): accept draft x_i with probability min(1, p_i(x_i) / q_i(x_i));
 on the first rejection sample from norm(max(p_i - q_i, 0)) and stop; if all pass, sample the bonus from p_{k}.
 Each emitted token is then distributed exactly as under plain sampling from p. A deterministic drafter
-(n-gram lookup) has q = one-hot, which makes the residual "p with the draft token removed".
+(n-gram lookup) has q = one-hot, which makes the residual "p with the draft token removed": the same as drawing
+from p and keeping the draft while the draw equals it, which is how such chains (and every tree) are verified, so
+that a seeded request's tokens are plain sampling's own.
 """
 
 from __future__ import annotations
@@ -46,18 +48,22 @@ def verify_sampling(
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """``p``: [k+1, V] target probabilities; ``q``: [k, V] draft probabilities or None (deterministic drafts)."""
+    if q is None:
+        # deterministic drafts: draw the target's token at each position and keep the draft while it is that token.
+        # A draft survives with probability p(d), and a draw that differs is distributed as p without d,
+        # renormalised (rejection sampling's residual for a one-hot q): the same distribution. The draws are plain
+        # sampling's own (one per emitted token, in order, from the same distributions), so a seeded request emits
+        # exactly plain sampling's tokens however many drafts each step carried. A chain is a tree of one branch.
+        tokens, path = verify_tree_sampling(p, drafts, list(range(-1, len(drafts) - 1)), generator)
+        return tokens, len(path)
     out: list[int] = []
     for i, d in enumerate(drafts):
         pd = float(p[i, d])
-        qd = 1.0 if q is None else float(q[i, d])
+        qd = float(q[i, d])
         if qd > 0 and uniform(generator) < min(1.0, pd / qd):
             out.append(d)
             continue
-        if q is None:
-            residual = p[i].clone()
-            residual[d] = 0.0
-        else:
-            residual = (p[i] - q[i]).clamp_min(0.0)
+        residual = (p[i] - q[i]).clamp_min(0.0)
         total = float(residual.sum())
         # p == q exactly leaves no residual mass; then any draw from p is correct
         out.append(sample_from(residual / total if total > 0 else p[i], generator))
