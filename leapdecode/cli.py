@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from leapdecode.cli_args import EPILOG, add_model_args
+from leapdecode.cli_args import EPILOG, add_model_args, read_chat_template
 from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.outputs import RequestMetrics
 
@@ -79,7 +79,10 @@ def explain_metrics(m: RequestMetrics) -> str:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = make_params(args)
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     llm = make_llm(args)
+    if template is not None:
+        llm.get_tokenizer().chat_template = template
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -132,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=256)
     p.add_argument("--message", default=None, help="one-shot: answer this message and exit")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or text) replacing the model's own: for a model without one")
     p.set_defaults(func=cmd_chat)
 
     from leapdecode.bench.benchmark import add_cli as add_bench

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from leapdecode.config import DTYPES as TORCH_DTYPES
 from leapdecode.config import engine_default
@@ -47,3 +48,13 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=engine_default("tensor_parallel_size"), metavar="N",
                    help="split the model over N processes (gloo on a CPU, each on 1/N of the cores; NCCL on CUDA); "
                         "see docs/tensor_parallel.md")
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file holding a Jinja template, or the template itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")

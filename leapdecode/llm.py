@@ -82,16 +82,19 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         escape_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """``conversation``'s token ids through the chat template; ``tools``: OpenAI-style function definitions for
-        templates that show them to the model; ``chat_template_kwargs``: extra template variables (e.g. Qwen3's
-        ``{"enable_thinking": False}``). A special token's text in a message becomes that control token (as in HF
-        transformers and vLLM) unless ``escape_special_tokens`` (untrusted text: it stays text)."""
+        """``conversation``'s token ids through the chat template (the model's, or ``chat_template``: Jinja text);
+        ``tools``: OpenAI-style function definitions for templates that show them to the model;
+        ``chat_template_kwargs``: extra template variables (e.g. Qwen3's ``{"enable_thinking": False}``). A special
+        token's text in a message becomes that control token (as in HF transformers and vLLM) unless
+        ``escape_special_tokens`` (untrusted text: it stays text)."""
         if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise TypeError('a conversation is a list of {"role": ..., "content": ...} dicts')
-        return chat_token_ids(self.engine.tokenizer, conversation, tools, chat_template_kwargs, escape_special_tokens)
+        return chat_token_ids(self.engine.tokenizer, conversation, tools, chat_template_kwargs, escape_special_tokens,
+                              chat_template)
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -122,10 +125,16 @@ class LLM:
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per conversation, through the model's chat template or ``chat_template``
+        (vLLM's arguments; see :meth:`apply_chat_template`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
-        encoded = [(self.apply_chat_template(c), None) for c in conversations]
+        encoded = [(self.apply_chat_template(c, tools, chat_template_kwargs, chat_template=chat_template), None)
+                   for c in conversations]
         return self._run(encoded, self._params_list(sampling_params, len(encoded)), use_tqdm)
 
     def _run(self, encoded, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

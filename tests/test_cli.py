@@ -55,6 +55,16 @@ def test_chat_one_shot(tiny_model_dir, capsys):
     assert main(["chat", "--model", str(tiny_model_dir), "--message", "Hi", "--max-tokens", "4"]) == 0
 
 
+def test_chat_takes_a_chat_template_file_or_text(tiny_model_dir, tmp_path, capsys):
+    template = "{% for m in messages %}{{ m.content }}\n{% endfor %}Answer:"
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (str(tmp_path / "t.jinja"), template):
+        assert main(["chat", "--model", str(tiny_model_dir), "--message", "Hi", "--max-tokens", "2",
+                     "--chat-template", value]) == 0
+    assert main(["chat", "--model", str(tiny_model_dir), "--message", "Hi", "--chat-template", "nope.jinja"]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error_not_a_traceback(tiny_model_dir, capsys):
     assert main(["generate", "x", "--model", str(tiny_model_dir), "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err

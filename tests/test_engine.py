@@ -336,6 +336,23 @@ def test_chat_one_or_many(tiny_llm) -> None:
         tiny_llm.chat([{"content": "no role"}], greedy(2), use_tqdm=False)
 
 
+def test_chat_template_argument_and_a_model_without_one(tiny_llm, monkeypatch) -> None:
+    """vLLM's ``LLM.chat(chat_template=...)`` renders with the given template; a model without a template of its
+    own (a base model's checkpoint) is refused with what to do instead, not with the tokenizer's error."""
+    conv = [{"role": "user", "content": "What is a KV cache?"}]
+    template = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<assistant>>"
+    tok = tiny_llm.get_tokenizer()
+    want = tok.encode("<<user>> What is a KV cache?\n<<assistant>>", add_special_tokens=False)
+    out = tiny_llm.chat(conv, greedy(4), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt_token_ids == want
+    escaped = tiny_llm.apply_chat_template(conv, chat_template=template, escape_special_tokens=True)
+    assert tok.decode(escaped) == tok.decode(want)  # (tokens may split differently where text meets template)
+    monkeypatch.setattr(tok, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template.*chat_template=.*--chat-template"):
+        tiny_llm.chat(conv, greedy(4), use_tqdm=False)
+    assert tiny_llm.chat(conv, greedy(4), use_tqdm=False, chat_template=template)[0].prompt_token_ids == want
+
+
 def test_stream(tiny_llm, reference) -> None:
     stream: Iterator[RequestOutput] = tiny_llm.stream(PROMPTS[4], greedy(12))
     outs = list(stream)

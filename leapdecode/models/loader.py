@@ -558,6 +558,10 @@ def load_tokenizer(path: Path):
     return _gguf_tokenizer(path)
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model's checkpoint often has none): pass one as "
+                    "chat_template= (LLM.chat) or --chat-template (leapdecode chat / serve), or send plain text "
+                    "(LLM.generate, /v1/completions)")
+
 # apply_chat_template's own arguments: not template variables a caller may set
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -572,10 +576,12 @@ def chat_token_ids(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     escape_special_tokens: bool = False,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """``conversation`` through the tokenizer's chat template, ready for the assistant's turn, as token ids (newer
-    transformers return a BatchEncoding here, older ones a list). ``tools``: OpenAI-style function definitions the
-    template may show the model; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+    """``conversation`` through the tokenizer's chat template (or ``chat_template``, a Jinja template in its place),
+    ready for the assistant's turn, as token ids (newer transformers return a BatchEncoding here, older ones a
+    list). ``tools``: OpenAI-style function definitions the template may show the model; ``template_kwargs``:
+    extra template variables (e.g. ``enable_thinking``).
 
     As in HF transformers and vLLM, a special token's text inside a message (``"<|im_end|>"``) becomes that control
     token by default. ``escape_special_tokens`` tokenizes every message's text as plain text instead (the template's
@@ -586,6 +592,10 @@ def chat_token_ids(
     if clash:
         raise ValueError(f"chat template variables {clash} are not allowed (names of the template call's own "
                          "arguments, or not identifiers)")
+    if chat_template:
+        extra["chat_template"] = chat_template
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(NO_CHAT_TEMPLATE)
     if escape_special_tokens:
         return _escaped_chat_token_ids(tokenizer, conversation, tools, extra)
     ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,

@@ -12,10 +12,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from leapdecode.cli_args import EPILOG, add_model_args
+from leapdecode.cli_args import EPILOG, add_model_args, read_chat_template
 from leapdecode.config import KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
 from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.models.loader import resolve_model
@@ -83,16 +82,6 @@ def parse_origins(value: str) -> list[str]:
             raise argparse.ArgumentTypeError(f"--allowed-origins must be a JSON list of strings, got {value!r}")
         return origins
     return [o.strip() for o in text.split(",") if o.strip()]
-
-
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a file holding a Jinja template, or the template itself."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def resolve_dtype(dtype: str, device: str, model: str | None) -> str:
