@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -69,6 +70,21 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tiny_model_dir, capsys):
     assert main(["generate", "x", "--model", str(tiny_model_dir), "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "/nonexistent/model"]) == 2
+
+
+def test_bench_on_a_model_without_a_chat_template_says_raw(tiny_model_dir, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    for f in base.glob("chat_template.*"):
+        f.unlink()
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert main(["bench", "--model", str(base), "--num-prompts", "1", "--max-tokens", "2", "--methods", "none",
+                 "--no-batched"]) == 2
+    assert "--raw" in capsys.readouterr().err
+    assert main(["bench", "--model", str(base), "--num-prompts", "1", "--max-tokens", "2", "--methods", "none",
+                 "--no-batched", "--raw", "--out", str(tmp_path / "b")]) == 0
 
 
 def test_bench_writes_tables(tiny_model_dir, tmp_path, capsys):

@@ -270,6 +270,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tok = eng.tokenizer
     if args.raw:
         prompts_ids = [tok.encode(p) for p in prompts]
+    elif not getattr(tok, "chat_template", None):
+        raise ValueError("this model has no chat template (a base model's checkpoint often has none): run with --raw "
+                         "to send the prompts as plain text")
     else:
         prompts_ids = [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     if args.max_prompt_tokens:
