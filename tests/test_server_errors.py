@@ -202,6 +202,18 @@ def test_assistant_turn_may_omit_content(server: str) -> None:
             assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_model_without_a_chat_template_answers_400_saying_what_to_do(
+    server: str, llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)  # a base model's checkpoint
+    with httpx.Client(base_url=server, trust_env=False, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [CHAT[1]], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "no chat template" in r.json()["error"]["message"] and "--chat-template" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 def test_tokenization_runs_off_the_event_loop(server: str, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """While one request is being tokenized (here: held inside the tokenizer), the server answers others: a long
     prompt takes about a second per 2 MB to tokenize, and on the event loop it would stall every stream."""
