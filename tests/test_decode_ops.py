@@ -214,6 +214,9 @@ def test_rope_and_silu_mul_match_torch() -> None:
         out = layer_ops.silu_mul(gu)
         torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
         assert torch.equal(layer_ops.silu_mul(gu[1:2]), out[1:2])
+    gu = torch.randn(100, 2 * 64, generator=g) * 4  # a prompt's rows, on every thread: each row as it is alone
+    out = layer_ops.silu_mul(gu)
+    assert torch.equal(out, torch.cat([layer_ops.silu_mul(gu[i : i + 1]) for i in range(100)]))
 
 
 def test_rotate_rows_matches_the_torch_basis_change() -> None:

@@ -18,34 +18,40 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / 32;
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
                   std::vector<int32_t>(M * nb), std::vector<int32_t>(2 * M * nb)};
-  for (int64_t b = 0; b < M * nb; ++b) {
-    const float* v = x + b * 32;
+  auto body = [&](int64_t row0, int64_t row1) {
+    for (int64_t b = row0 * nb; b < row1 * nb; ++b) {
+      const float* v = x + b * 32;
 #if defined(__AVX512F__)
-    // the scalar loop below, vectorised: cvtps rounds to nearest even as nearbyint does, and |v * id| <= 127
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
-    r.half[2 * b] = _mm512_reduce_add_epi32(q0), r.half[2 * b + 1] = _mm512_reduce_add_epi32(q1);
-    const int32_t acc = r.half[2 * b] + r.half[2 * b + 1];
-    r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
+      // the scalar loop below, vectorised: cvtps rounds to nearest even as nearbyint does, and |v * id| <= 127
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+      r.half[2 * b] = _mm512_reduce_add_epi32(q0), r.half[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+      const int32_t acc = r.half[2 * b] + r.half[2 * b + 1];
+      r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
 #else
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t acc = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
-      r.q[b * 32 + i] = static_cast<int8_t>(qi);
-      r.half[2 * b + i / 16] += qi;
-      acc += qi;
-    }
-    r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t acc = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
+        r.q[b * 32 + i] = static_cast<int8_t>(qi);
+        r.half[2 * b + i / 16] += qi;
+        acc += qi;
+      }
+      r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
 #endif
-  }
+    }
+  };
+  // a prompt's rows on both threads (a 1,000-token prefill's projections of the bundled model: 0.89x the time,
+  // A/B on Zen 4); the few rows of a decode step or a tree on one: there the fork and join cost more than the work
+  if (M >= 64) at::parallel_for(0, M, 16, body);
+  else body(0, M);
   return r;
 }
 
