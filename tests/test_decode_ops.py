@@ -196,6 +196,28 @@ def test_attention_rows_causal_rows_share_one_slot_list() -> None:
                                atol=2e-6)
 
 
+@pytest.mark.parametrize("first,last", [(1, 200), (470, 560), (1000, 1060)])  # whole; across 512; chunked
+def test_a_long_prompts_causal_rows_each_match_the_row_alone(first: int, last: int) -> None:
+    """A prompt's rows, dealt to the threads first and last alternately, some past 512 positions (chunked, and
+    fused where neighbours chunk alike): every row is the bits it gets alone, and SDPA's values."""
+    g = torch.Generator().manual_seed(first)
+    k_cache, v_cache = torch.randn(1200, 3, 64, generator=g), torch.randn(1200, 3, 64, generator=g)
+    slots = torch.randperm(1200, generator=g)[:last]
+    ends = torch.arange(first, last + 1)
+    q = torch.randn(len(ends), 9, 64, generator=g)
+    out = torch.empty_like(q)
+    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(len(ends)),
+                                  torch.stack([torch.zeros_like(ends), ends], 1), slots, 0.125, out)
+    for r in range(0, len(ends), 7):
+        alone = torch.empty_like(q)
+        attention_rows.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, int(ends[r])]]),
+                                      slots, 0.125, alone)
+        assert torch.equal(alone[r], out[r]), r
+    for r in (0, len(ends) // 2, len(ends) - 1):
+        torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots[: int(ends[r])], 0.125, 3),
+                                   rtol=1e-5, atol=2e-6)
+
+
 def test_rope_and_silu_mul_match_torch() -> None:
     from leapdecode.layers.rotary import RotaryEmbedding, rotate
 
