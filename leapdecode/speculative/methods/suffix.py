@@ -368,6 +368,11 @@ class RequestIndex:
     drafted_from: list[TrieNode] | list[int] | None = None
 
 
+def _proposal(nodes: list[Node]) -> Proposal:
+    """The draft tree of these nodes (each parent before its children), or no draft."""
+    return tree_proposal([n.token for n in nodes], [n.parent for n in nodes])
+
+
 class SuffixProposer(Proposer):
     """Trees from the request's own trie and the engine's global one. Per request (keyed by request id) it keeps
     its trie and last tree; the global cache is the engine's."""
@@ -455,12 +460,11 @@ class SuffixProposer(Proposer):
             idx = self._index(seq)
             idx.drafted = nodes
             idx.drafted_from = idx.grown_from[:k] if nodes and idx.grown_from is not None else None
-            out.append(self.peek(seq, k))  # the same nodes: grow is cached for this length
+            out.append(_proposal(nodes))
         return out
 
     def peek(self, seq: Sequence, budget: int) -> Proposal:
-        nodes = self.grow(seq)[:budget] if budget > 0 else []
-        return tree_proposal([n.token for n in nodes], [n.parent for n in nodes])
+        return _proposal(self.grow(seq)[:budget] if budget > 0 else [])
 
     # ------------------------------------------------------------------------------------------ learning
     def on_verified(self, seq: Sequence, result: Verification) -> None:
