@@ -2,6 +2,8 @@
 // how many rows one pass keeps in registers, how far ahead record streams are prefetched, and the dispatch that
 // makes the row count a template parameter.
 #pragma once
+#include <ATen/Parallel.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -37,4 +39,13 @@ static inline void with_rows(int64_t rows, F&& f) {
   } else {
     f(std::integral_constant<int, R>{});
   }
+}
+
+// body(begin, end) over rows [0, rows): a prompt's rows (64 or more) on every thread, 16 to a task; the few rows
+// of a decode step or a tree on the calling thread, where the threads' fork and join cost more than the work
+// (rms_norm, the gated products, the int8 rounding of rows: each row's result is its own either way)
+template <class F>
+static inline void over_rows(int64_t rows, F&& body) {
+  if (rows >= 64) at::parallel_for(0, rows, 16, body);
+  else body(0, rows);
 }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "few_rows.h"
 #include "ops.h"
 #include "vec_math.h"
 
@@ -32,8 +33,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
       for (int64_t i = 0; i < d; ++i) yr[i] = (xr[i] * inv) * wp[i];
     }
   };
-  if (rows >= 64) at::parallel_for(0, rows, 16, body);  // a prefill chunk
-  else body(0, rows);  // a decode step: threads would cost more than the work
+  over_rows(rows, body);
   return y;
 }
 
@@ -86,10 +86,9 @@ static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act 
       for (; i < I; ++i) o[i] = act16(v16f{} + g[i])[0] * u[i];
     }
   };
-  // a prefill chunk on every thread (the bundled model's 30 layers: 330 rows 11-15 -> 6-10 ms, 1,000 rows 41-49 ->
-  // 24-27 ms, A/B on Zen 4); a decode step or a tree on one, as rms_norm
-  if (T >= 64) at::parallel_for(0, T, 16, body);
-  else body(0, T);
+  // (a prompt's rows on every thread: the bundled model's 30 layers, 330 rows 11-15 -> 6-10 ms, 1,000 rows 41-49
+  // -> 24-27 ms, A/B on Zen 4)
+  over_rows(T, body);
   return out;
 }
 
