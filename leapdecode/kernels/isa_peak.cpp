@@ -20,7 +20,7 @@ constexpr long kBurst = 1 << 16;  // iterations between clock reads
 using Clock = std::chrono::steady_clock;
 
 // one thread's multiply-adds per second of `step(acc, w, x)` on kChains accumulators (`macs` per step), timed for
-// `seconds`; the operands stay live and unknown to the compiler, so nothing is hoisted out of the loop
+// `seconds`; the operands are unknown to the compiler at every step, so nothing is hoisted or shared between steps
 template <class V, class Step>
 double chains_rate(double seconds, double macs, V zero, V w, V x, Step step) {
   V acc[kChains];
@@ -29,10 +29,13 @@ double chains_rate(double seconds, double macs, V zero, V w, V x, Step step) {
   long iterations = 0;
   double elapsed = 0;
   do {
-    for (long i = 0; i < kBurst; ++i) {
-      for (auto& a : acc) a = step(a, w, x);
-      __asm__ volatile("" : "+x"(w), "+x"(x));
-    }
+    for (long i = 0; i < kBurst; ++i)
+      for (auto& a : acc) {
+        a = step(a, w, x);
+        // per chain: a product that does not depend on the accumulator (AVX2's vpmaddubsw + vpmaddwd) would
+        // otherwise be computed once for all chains, and the loop would time the adds alone
+        __asm__ volatile("" : "+x"(w), "+x"(x));
+      }
     iterations += kBurst;
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < seconds);
