@@ -146,35 +146,35 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
       // pass 1: the row's max and its top-k (a chunk is offered only where a lane beats the k-th value so far)
       float m = neg_inf;
       int64_t i = 0;
-      v16f mv = v16f{} + neg_inf;
-      for (; i + 16 <= V; i += 16) {
-        v16f xv;
-        __builtin_memcpy(&xv, x + i, 64);
+      vrf mv = vrf{} + neg_inf;
+      for (; i + kRowLanes <= V; i += kRowLanes) {
+        vrf xv;
+        __builtin_memcpy(&xv, x + i, sizeof(vrf));
         mv = xv > mv ? xv : mv;
-        if (filled < k || any_lane(xv > (v16f{} + top[k - 1])))
-          for (int j = 0; j < 16; ++j) offer(xv[j], i + j);
+        if (filled < k || any_row_lane(xv > (vrf{} + top[k - 1])))
+          for (int j = 0; j < kRowLanes; ++j) offer(xv[j], i + j);
       }
-      for (int j = 0; j < 16; ++j) m = std::max(m, mv[j]);
+      for (int j = 0; j < kRowLanes; ++j) m = std::max(m, mv[j]);
       for (int64_t t = i; t < V; ++t) {
         m = std::max(m, x[t]);
         offer(x[t], t);
       }
       // pass 2: the exponentials' sum, nothing else in the loop
-      v16f acc{};
+      vrf acc{};
       float tail = 0.f;
       if (m > neg_inf) {
-        for (i = 0; i + 16 <= V; i += 16) {
-          v16f xv;
-          __builtin_memcpy(&xv, x + i, 64);
-          acc += exp16(xv - m);
+        for (i = 0; i + kRowLanes <= V; i += kRowLanes) {
+          vrf xv;
+          __builtin_memcpy(&xv, x + i, sizeof(vrf));
+          acc += exp_row_lanes(xv - m);
         }
-        for (; i < V; ++i) tail += exp16(v16f{} + (x[i] - m))[0];
+        for (; i < V; ++i) tail += exp_row_lanes(vrf{} + (x[i] - m))[0];
       }
       for (int64_t j = 0; j < k; ++j) {
         vp[r * k + j] = top[j];
         ip[r * k + j] = at[j];
       }
-      sp[r] = m > neg_inf ? m + std::log(hsum(acc) + tail) : neg_inf;
+      sp[r] = m > neg_inf ? m + std::log(hsum_row_lanes(acc) + tail) : neg_inf;
     }
   };
   if (T >= 2) at::parallel_for(0, T, 1, body);  // a verified tree or a batch: rows are independent
@@ -196,25 +196,26 @@ std::vector<int64_t> row_argmax(torch::Tensor logits) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * V;
       // per lane: the largest value seen and its first index (a strict > keeps the earlier of equals)
-      v16f best = v16f{} + x[0];
-      v16i at = v16i{};
-      v16f nan_seen = v16f{};
+      vrf best = vrf{} + x[0];
+      vri at = vri{};
+      vrf nan_seen = vrf{};
       int64_t i = 0;
-      const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      for (; i + 16 <= V; i += 16) {
-        v16f xv;
-        __builtin_memcpy(&xv, x + i, 64);
-        const v16i gt = xv > best;
+      vri lanes;
+      for (int l = 0; l < kRowLanes; ++l) lanes[l] = l;
+      for (; i + kRowLanes <= V; i += kRowLanes) {
+        vrf xv;
+        __builtin_memcpy(&xv, x + i, sizeof(vrf));
+        const vri gt = xv > best;
         best = gt ? xv : best;
         at = gt ? lanes + static_cast<int>(i) : at;
-        nan_seen += (xv != xv) ? v16f{} + 1.f : v16f{};
+        nan_seen += (xv != xv) ? vrf{} + 1.f : vrf{};
       }
       float m = best[0];
       int64_t idx = at[0];
-      for (int l = 1; l < 16; ++l)
+      for (int l = 1; l < kRowLanes; ++l)
         if (best[l] > m || (best[l] == m && at[l] < idx)) m = best[l], idx = at[l];
       bool nan = false;
-      for (int l = 0; l < 16; ++l) nan = nan || nan_seen[l] != 0.f;
+      for (int l = 0; l < kRowLanes; ++l) nan = nan || nan_seen[l] != 0.f;
       for (; i < V; ++i) {
         if (x[i] != x[i]) nan = true;
         if (x[i] > m) m = x[i], idx = i;
