@@ -59,10 +59,11 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64
     }
 }
 
-// act(gate) * up for gate_up [T, 2I] -> [T, I], 16 outputs at a time; the last I % 16 run the same formula on a
-// broadcast, lane by lane, so no row depends on its width
+// act(gate) * up for gate_up [T, 2I] -> [T, I], a register's lanes of outputs at a time; the last I % lanes run the
+// same formula on a broadcast, lane by lane, so no row depends on its width (nor on the lane count: all of it is
+// lane by lane)
 template <class Act>
-static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act act16) {
+static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act act) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
                   gate_up.size(1) % 2 == 0,
               name, ": contiguous float32 [T, 2I]");
@@ -76,14 +77,14 @@ static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act 
       const float* u = g + I;
       float* o = op + t * I;
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        v16f gv, uv;
-        __builtin_memcpy(&gv, g + i, 64);
-        __builtin_memcpy(&uv, u + i, 64);
-        v16f r = act16(gv) * uv;
-        __builtin_memcpy(o + i, &r, 64);
+      for (; i + kRowLanes <= I; i += kRowLanes) {
+        vrf gv, uv;
+        __builtin_memcpy(&gv, g + i, sizeof(vrf));
+        __builtin_memcpy(&uv, u + i, sizeof(vrf));
+        vrf r = act(gv) * uv;
+        __builtin_memcpy(o + i, &r, sizeof(vrf));
       }
-      for (; i < I; ++i) o[i] = act16(v16f{} + g[i])[0] * u[i];
+      for (; i < I; ++i) o[i] = act(vrf{} + g[i])[0] * u[i];
     }
   };
   // (a prompt's rows on every thread: the bundled model's 30 layers, 330 rows 11-15 -> 6-10 ms, 1,000 rows 41-49
@@ -94,16 +95,16 @@ static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act 
 
 // silu(gate) * up; silu(g) = g / (1 + e^-g)
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  return gated_product(gate_up, "silu_mul", [](v16f g) { return g / (1.0f + exp16(v16f{} - g)); });
+  return gated_product(gate_up, "silu_mul", [](vrf g) { return g / (1.0f + exp_row_lanes(vrf{} - g)); });
 }
 
 // gelu(gate) * up, GELU in its tanh form: g / 2 (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi), with
 // tanh(y) = 1 - 2 / (1 + e^2y) (exp16 saturates, so |y| large gives +-1)
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   const float c = 0.7978845608028654f, a = 0.044715f;
-  return gated_product(gate_up, "gelu_tanh_mul", [=](v16f g) {
-    const v16f y = c * (g + a * g * g * g);
-    return 0.5f * g * (2.0f - 2.0f / (1.0f + exp16(2.0f * y)));
+  return gated_product(gate_up, "gelu_tanh_mul", [=](vrf g) {
+    const vrf y = c * (g + a * g * g * g);
+    return 0.5f * g * (2.0f - 2.0f / (1.0f + exp_row_lanes(2.0f * y)));
   });
 }
 

@@ -103,9 +103,9 @@ static inline V exp_lanes(V x) {
 }
 static inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
 
-// The lanes of the loops over a whole logits row (row_argmax, row_top_k): 16 with AVX-512, else 8, the register's
-// width. GCC lowered those loops' 16-lane compares and selects through memory on AVX2: a 49,152-wide row's argmax
-// took 110-170 us there, where torch sums the row in 7-13 us.
+// The lanes of the loops over long rows (a logits row's argmax and top-k, the gated products): 16 with AVX-512,
+// else 8, the register's width. GCC lowered those loops' 16-lane compares and selects through memory on AVX2: a
+// 49,152-wide row's argmax took 110-170 us there, where torch sums the row in 7-13 us.
 #if defined(__AVX512F__)
 constexpr int kRowLanes = 16;
 #else
