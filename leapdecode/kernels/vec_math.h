@@ -10,6 +10,15 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
+// 8 lanes summed as hsum's last steps: halves added, then (c0 + c2) + (c1 + c3)
+static inline float hsum8(v8f a) {
+  v4f c, d;
+  __builtin_memcpy(&c, &a, 16);
+  __builtin_memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
 // the 16 lanes summed pairwise (a log-depth tree: a serial loop over lanes cost more than the products). The
 // AVX-512 version is the same tree in registers: taking the vector's address made GCC keep a dot product's
 // accumulator in memory across iterations (a store-to-load chain per 16 products)
@@ -25,12 +34,7 @@ static inline float hsum(v16f v) {
   v8f a, b;
   __builtin_memcpy(&a, &v, 32);
   __builtin_memcpy(&b, reinterpret_cast<const char*>(&v) + 32, 32);
-  a += b;
-  v4f c, d;
-  __builtin_memcpy(&c, &a, 16);
-  __builtin_memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  return hsum8(a + b);
 #endif
 }
 
@@ -120,11 +124,7 @@ static inline float hsum_row_lanes(vrf v) {
 #if defined(__AVX512F__)
   return hsum(v);
 #else
-  v4f c, d;
-  __builtin_memcpy(&c, &v, 16);
-  __builtin_memcpy(&d, reinterpret_cast<const char*>(&v) + 16, 16);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  return hsum8(v);
 #endif
 }
 
