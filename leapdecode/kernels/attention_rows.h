@@ -169,6 +169,16 @@ static inline void weighted_heads(const float* p, int64_t np, const T* v, const 
     for (int c = 0; c < CC; ++c) _mm256_storeu_ps(out + g * stride + 8 * c, acc[g][c]);
 }
 
+// f(std::integral_constant<int, GG>{}, g) for the query heads g .. g + GG - 1 of G, three a pass over the keys
+template <class F>
+static inline void by_three_heads(int64_t G, F&& f) {
+  for (int64_t g = 0; g < G; g += 3) {
+    if (G - g >= 3) f(std::integral_constant<int, 3>{}, g);
+    else if (G - g == 2) f(std::integral_constant<int, 2>{}, g);
+    else f(std::integral_constant<int, 1>{}, g);
+  }
+}
+
 // weighted_heads over all of D (a multiple of 8): 16 elements a pass, 8 for an odd last one
 template <int GG, typename T>
 static inline void weighted_heads_all(const float* p, int64_t np, const T* v, const int64_t* slots, int64_t n,
@@ -249,13 +259,9 @@ static inline void weighted_sum_heads(const float* p, int64_t np, const T* v, co
                                       int64_t row, int64_t G, int64_t D, float* out, int64_t stride, bool init) {
 #ifdef ATTENTION_AVX2
   if (D % 8 == 0) {
-    for (int64_t g = 0; g < G; g += 3) {  // three query heads a pass over the keys
-      const float* pg = p + g * np;
-      float* og = out + g * stride;
-      if (G - g >= 3) weighted_heads_all<3>(pg, np, v, slots, n, row, D, og, stride, init);
-      else if (G - g == 2) weighted_heads_all<2>(pg, np, v, slots, n, row, D, og, stride, init);
-      else weighted_heads_all<1>(pg, np, v, slots, n, row, D, og, stride, init);
-    }
+    by_three_heads(G, [&](auto GG, int64_t g) {
+      weighted_heads_all<GG.value>(p + g * np, np, v, slots, n, row, D, out + g * stride, stride, init);
+    });
     return;
   }
 #endif
@@ -396,13 +402,9 @@ static inline void score_keys(const float* q, const T* k, const int64_t* slots, 
   }
 #ifdef ATTENTION_AVX2
   if (D % 8 == 0) {
-    for (int64_t g = 0; g < G; g += 3) {  // three query heads a pass over the keys
-      const float* qg = q + g * D;
-      float* sg = sh + g * np;
-      if (G - g >= 3) score_heads<3>(qg, D, k, slots, n, row, scale, sg, np);
-      else if (G - g == 2) score_heads<2>(qg, D, k, slots, n, row, scale, sg, np);
-      else score_heads<1>(qg, D, k, slots, n, row, scale, sg, np);
-    }
+    by_three_heads(G, [&](auto GG, int64_t g) {
+      score_heads<GG.value>(q + g * D, D, k, slots, n, row, scale, sh + g * np, np);
+    });
     return;
   }
 #endif
