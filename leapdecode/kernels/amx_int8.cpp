@@ -11,8 +11,7 @@
 // Rows are taken 16 at a time (the codes padded with zero rows to a multiple of 16, so one tile configuration
 // serves every call); each thread loads it once per call. One block's tile multiply overlaps the float steps of
 // the block before it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <cstring>

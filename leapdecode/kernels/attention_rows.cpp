@@ -1,8 +1,7 @@
 // Attention of few query rows over the paged float32, bfloat16 or float16 KV cache (decode tokens, drafts, tree
 // nodes; a half cache's rows widened to float32 as they are read); the pieces it shares with the int8 cache's
 // kernel are in attention_rows.h.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <vector>
@@ -110,12 +109,12 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
 // (in position order) and its [H, D] result is written to out[t]; other rows of out are left alone.
 void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor rows,
                     torch::Tensor spans, torch::Tensor slots, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows: q");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat, "attention_rows: q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
               "attention_rows: out");
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == dtype &&
-                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
+                  (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
                   k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "attention_rows: contiguous float32, bfloat16 or float16 caches [slots, Hkv, D], both of one type");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
@@ -128,7 +127,7 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const float* qp = q.data_ptr<float>();
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
-  const auto run = dtype == torch::kFloat32 ? attend_run<float>
+  const auto run = dtype == torch::kFloat ? attend_run<float>
                    : dtype == torch::kBFloat16 ? attend_run<c10::BFloat16> : attend_run<c10::Half>;
   float* outp = out.data_ptr<float>();
   const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, false, true);

@@ -4,8 +4,7 @@
 // its result never depends on the other rows of the call.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

@@ -1,7 +1,6 @@
 // Attention of few query rows over the paged int8 KV cache of layers/kv_quant.py; the pieces it shares with the
 // float32 cache's kernel are in attention_rows.h.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <immintrin.h>
 
@@ -160,8 +159,8 @@ static ChunkI8Fn chunk_i8_for(int64_t, int64_t) { return nullptr; }
 void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
                        torch::Tensor v_scale, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
                        double scale, torch::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "attention_rows_i8: q");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat, "attention_rows_i8: q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
               "attention_rows_i8: out");
   check_int8_plane(k_data, k_scale, "attention_rows_i8: keys");
   check_int8_plane(v_data, v_scale, "attention_rows_i8: values");

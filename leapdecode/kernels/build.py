@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# a cold build of the real kernels takes ~40 s on a quiet 2-core machine and several times that beside a busy
+# a cold build of the real kernels takes ~90 s on a quiet 2-core machine and several times that beside a busy
 # neighbour; 20 minutes is far beyond any healthy build and still ends a wait that would never end
 DEFAULT_WAIT_S = float(os.environ.get("LEAPDECODE_BUILD_WAIT_S", "1200"))
 FLOCK_NAME = "leapdecode.flock"

@@ -1,7 +1,7 @@
 // A whole decoder layer, and a run of them, for a step whose rows are all few-token rows (decode, drafts, trees):
 // the same kernels the per-op path calls (so results are bitwise equal to it), minus ~10 Python-level calls per
 // layer.
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <cstring>
 #include <optional>
@@ -38,15 +38,15 @@ static void store_rows(torch::Tensor& cache, const int64_t* slot, const torch::T
 static void write_cache_rows(torch::Tensor& cache, const torch::Tensor& slot_mapping, const torch::Tensor& src) {
   const int64_t T = src.size(0), row = cache.size(1) * cache.size(2);
   const auto dtype = cache.scalar_type();
-  TORCH_CHECK(cache.is_contiguous() && src.scalar_type() == torch::kFloat32 &&
-                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
+  TORCH_CHECK(cache.is_contiguous() && src.scalar_type() == torch::kFloat &&
+                  (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
                   src.dim() == 3 && src.size(1) * src.size(2) == row && src.stride(2) == 1 &&
                   src.stride(1) == src.size(2) && slot_mapping.numel() == T &&
-                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+                  slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
               "decoder_layer: K/V rows [T, Hkv, D] float32 with contiguous rows, a float32, bfloat16 or float16 "
               "cache [slots, Hkv, D], T slots");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  if (dtype == torch::kFloat32)
+  if (dtype == torch::kFloat)
     store_rows<float>(cache, slot, src, row);
   else if (dtype == torch::kBFloat16)
     store_rows<c10::BFloat16>(cache, slot, src, row);
@@ -57,7 +57,7 @@ static void write_cache_rows(torch::Tensor& cache, const torch::Tensor& slot_map
 // y += x, both [T, N] contiguous float32: the residual sum, in y's storage
 static torch::Tensor add_rows_(torch::Tensor y, const torch::Tensor& x) {
   TORCH_CHECK(y.sizes() == x.sizes() && y.is_contiguous() && x.is_contiguous() &&
-                  y.scalar_type() == torch::kFloat32 && x.scalar_type() == torch::kFloat32,
+                  y.scalar_type() == torch::kFloat && x.scalar_type() == torch::kFloat,
               "decoder_layer: residual sum of two contiguous float32 [T, N] tensors");
   float* __restrict dst = y.data_ptr<float>();
   const float* __restrict src = x.data_ptr<float>();

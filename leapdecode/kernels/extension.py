@@ -5,7 +5,7 @@ Each source has its Python wrapper: ``layers/small_gemm.py`` (small_gemm.cpp), `
 (int8_gemm.cpp, amx_int8.cpp), ``layers/block_formats.py`` (gguf_blocks.cpp), ``layers/layer_ops.py``
 (layer_ops.cpp), ``layers/attention_rows.py`` (attention_rows.cpp, attention_rows_i8.cpp), ``layers/int8_kv.py``
 (int8_kv.cpp) and ``layers/decoder_stack.py`` (decoder_stack.cpp); ``speculative/methods/suffix.py`` uses
-suffix_index.cpp's class, ``bench/hardware.py`` isa_peak.cpp's probe.
+suffix_index.cpp's class, ``bench/hardware.py`` isa_peak.cpp's probe. bindings.cpp is the Python module over them all.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 from leapdecode.kernels.build import load_extension
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / name for name in ("small_gemm.cpp", "int8_gemm.cpp", "amx_int8.cpp", "gguf_blocks.cpp",
-                                       "layer_ops.cpp", "attention_rows.cpp", "attention_rows_i8.cpp", "int8_kv.cpp",
-                                       "decoder_stack.cpp", "suffix_index.cpp", "isa_peak.cpp")]  # one build, one load
+SOURCES = [KERNELS / name for name in ("bindings.cpp", "small_gemm.cpp", "int8_gemm.cpp", "amx_int8.cpp",
+                                       "gguf_blocks.cpp", "layer_ops.cpp", "attention_rows.cpp",
+                                       "attention_rows_i8.cpp", "int8_kv.cpp", "decoder_stack.cpp", "suffix_index.cpp",
+                                       "isa_peak.cpp")]  # one build, one load
 ext = None
 _error: str | None = None
 
@@ -59,7 +60,7 @@ def load_kernel(required: bool = False):
 
             name = f"leapdecode_small_gemm_{_cpu_tag()}_{_checkout_tag()}"
             if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
-                print("leapdecode: building the CPU kernels (once, ~60 s)", file=sys.stderr, flush=True)
+                print("leapdecode: building the CPU kernels (once, ~1-2 minutes)", file=sys.stderr, flush=True)
             ext = load_extension(  # behind an OS lock: a killed build cannot wedge later runs
                 name=name,
                 sources=[str(p) for p in SOURCES],

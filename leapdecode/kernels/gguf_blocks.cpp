@@ -5,8 +5,7 @@
 // unpack_records rebuilds float32 rows from records (embedding lookups, prompts longer than the kernels' row
 // limit, drafters that read a subset of an LM head), with the same float operations as the kernels, so every
 // path sees the same weights: bitwise gguf's own dequantisation (tests/test_block_formats.py).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 #include <c10/util/Half.h>
 
 #include <cstring>
@@ -208,9 +207,9 @@ static void write_record(int kind, const Block32& o, uint8_t* rec, int j, int sb
 void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Tensor out) {
   const int64_t bb = type_block_bytes(int(type)), per_block = is_k_quant(int(type)) ? 256 : 32;
   TORCH_CHECK(bb > 0, "repack_gguf: unsupported ggml type ", type);
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(),
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kByte && raw.is_contiguous(),
               "repack_gguf: raw must be a contiguous [N, row bytes] uint8 tensor");
-  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kUInt8 && out.is_contiguous(),
+  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == torch::kByte && out.is_contiguous(),
               "repack_gguf: out must be a contiguous [N/16, K/32, bytes] uint8 tensor");
   const int kind = kind_of_record(out.size(2));
   TORCH_CHECK(kind == natural_kind(type), "repack_gguf: type ", type, " cannot be kind ", kind);
@@ -242,7 +241,7 @@ void repack_gguf(torch::Tensor raw, int64_t type, torch::Tensor rows, torch::Ten
 
 // float32 rows `rows` (int64 [R]) of a record tensor [N/16, K/32, bytes] -> [R, K]
 torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows) {
-  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == torch::kUInt8 && records.is_contiguous(),
+  TORCH_CHECK(records.dim() == 3 && records.scalar_type() == torch::kByte && records.is_contiguous(),
               "unpack_records: records must be a contiguous [N/16, K/32, bytes] uint8 tensor");
   const int kind = kind_of_record(records.size(2));
   TORCH_CHECK(kind >= 0, "unpack_records: unknown record size ", records.size(2));
@@ -250,7 +249,7 @@ torch::Tensor unpack_records(torch::Tensor records, torch::Tensor rows) {
   const int64_t span = kind_span(kind), subs = span / 32;
   const int64_t R = idx.size(0), nrec = records.size(1), K = nrec * span, REC = records.size(2);
   const int64_t N = records.size(0) * 16;
-  auto out = torch::empty({R, K}, records.options().dtype(torch::kFloat32));
+  auto out = torch::empty({R, K}, records.options().dtype(torch::kFloat));
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "unpack_records: row ", ip[r], " out of range");
   const uint8_t* src = records.data_ptr<uint8_t>();

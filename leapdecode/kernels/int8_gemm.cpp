@@ -1,6 +1,5 @@
 // y = x @ W^T with x rounded to int8 per 32 inputs (linear_kernel="packed-int8act"; the layout: int8_records.h).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <atomic>
@@ -435,12 +434,12 @@ void set_a8_amx_rows(int64_t rows) {
 int64_t a8_amx_rows() { return a8_amx_available() ? amx_min_rows.load() : 0; }
 
 torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed, int64_t amx_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "a8_linear: x must be a contiguous [M, K] float32 tensor");
   const int64_t lines = packed.dim() == 4 ? packed.size(2) : 0;
   const int kind = lines == A8_Q4_LINES ? A8_Q4 : lines == A8_Q8_LINES ? A8_Q8 : lines == A8_Q4K_LINES ? A8_Q4K
                  : lines == A8_Q6K_LINES ? A8_Q6K : lines == A8_Q4H_LINES ? A8_Q4H : -1;
-  TORCH_CHECK(kind >= 0 && packed.size(3) == 64 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+  TORCH_CHECK(kind >= 0 && packed.size(3) == 64 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
               "a8_linear: packed weight must be a contiguous uint8 [N/16, K/32, 5, 6 or 9, 64] or "
               "[N/16, K/256, 38 or 53, 64] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;

@@ -1,6 +1,6 @@
 // The int8 KV cache's row transforms (layers/kv_quant.py): quantize-on-write and the change of basis of queries
 // and outputs. Both go through row_times, so keys and queries change basis with the same rounding.
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,14 +24,14 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
                       torch::Tensor slots, torch::Tensor data, torch::Tensor scale) {
   check_int8_plane(data, scale, "quantize_kv_rows");
   const int64_t T = x.size(0), Hkv = data.size(1), D = data.size(2), NG = D / 16;
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) == Hkv &&
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.size(1) == Hkv &&
                   x.size(2) == D, "quantize_kv_rows: x must be contiguous float32 [T, Hkv, D]");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
               "quantize_kv_rows: int64 slots [T]");
   for (const auto* t : {&shift, &smooth})
-    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == torch::kFloat32 && t->numel() == Hkv * D),
+    TORCH_CHECK(t->numel() == 0 || (t->is_contiguous() && t->scalar_type() == torch::kFloat && t->numel() == Hkv * D),
                 "quantize_kv_rows: shift / smooth must be empty or contiguous float32 [Hkv, D]");
-  TORCH_CHECK(rotation.numel() == 0 || (rotation.is_contiguous() && rotation.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(rotation.numel() == 0 || (rotation.is_contiguous() && rotation.scalar_type() == torch::kFloat &&
                                         rotation.numel() == D * D), "quantize_kv_rows: rotation must be [D, D]");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
@@ -77,12 +77,12 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
 // empty = identity). Each row sums over i = 0 .. D-1 in order, so a row's result does not depend on the others;
 // kv_quant.QuantizedKV's query_to_cache_basis / unrotate and decoder_layer_i8 all go through it (one rounding).
 torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor rot, bool transpose) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "rotate_rows: x must be float32 [T, H, D]");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat, "rotate_rows: x must be float32 [T, H, D]");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  TORCH_CHECK(smooth.numel() == 0 || (smooth.scalar_type() == torch::kFloat32 && smooth.dim() == 2 &&
+  TORCH_CHECK(smooth.numel() == 0 || (smooth.scalar_type() == torch::kFloat && smooth.dim() == 2 &&
                                       smooth.size(1) == D && H % smooth.size(0) == 0),
               "rotate_rows: smooth must be empty or float32 [Hkv, D]");
-  TORCH_CHECK(rot.numel() == 0 || (rot.scalar_type() == torch::kFloat32 && rot.dim() == 2 && rot.size(0) == D &&
+  TORCH_CHECK(rot.numel() == 0 || (rot.scalar_type() == torch::kFloat && rot.dim() == 2 && rot.size(0) == D &&
                                    rot.size(1) == D), "rotate_rows: rotation must be empty or float32 [D, D]");
   auto xc = x.contiguous();
   if (rot.numel() == 0 && smooth.numel() == 0) return xc;

@@ -1,8 +1,7 @@
 // The arithmetic peak of this CPU for the instructions the projection kernels are built on: how many
 // multiply-adds per second all threads reach when they do nothing else. bench/step_rows.py divides a step's
 // multiply-adds by it: the compute floor under which no kernel plan can take a step of n rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <chrono>
 #include <vector>

@@ -2,8 +2,7 @@
 // per step each of these does a few thousand flops, and what torch charges per call (dispatch, allocation, OpenMP
 // fork for RMSNorm's five ops) is 10-70 us; a step has ~60 norms, which was a large share of a batch-1 step once the
 // projections read Q4 blocks (see kernels/small_gemm.cpp). Row results never depend on the other rows of the call.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,7 +15,7 @@
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.is_contiguous() &&
                   w.is_contiguous(),
               "rms_norm: contiguous float32 tensors");
   const int64_t d = x.size(-1), rows = x.numel() / d;
@@ -40,7 +39,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // RoPE in place: each of the first num_heads heads (d wide) of every row of qkv [T, W] becomes
 // x * cos + roll(x, d/2) * sin_signed, with cos / sin_signed [T, d] (the sign of the rotate-half folded into sin).
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64_t num_heads) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "rope_: qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat, "rope_: qkv");
   const int64_t T = qkv.size(0), W = qkv.size(1), d = cos.size(-1), half = d / 2;
   TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == T * d &&
                   sin_signed.numel() == T * d && num_heads * d <= W && d % 2 == 0,
@@ -64,7 +63,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, int64
 // lane by lane)
 template <class Act>
 static torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Act act) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat &&
                   gate_up.size(1) % 2 == 0,
               name, ": contiguous float32 [T, 2I]");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -113,12 +112,12 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
 // sum), where topk and logsumexp in torch read the row three times and allocate between. The
 // training-free drafters learn from every verified row this way, so it runs once per row of every step.
 std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat,
               "row_top_k: contiguous float32 [T, V] logits");
   const int64_t T = logits.size(0), V = logits.size(1);
   TORCH_CHECK(k >= 1 && k <= V, "row_top_k: k must be in [1, V], got ", k);
   auto values = torch::empty({T, k}, logits.options());
-  auto indices = torch::empty({T, k}, logits.options().dtype(torch::kInt64));
+  auto indices = torch::empty({T, k}, logits.options().dtype(torch::kLong));
   auto lse = torch::empty({T}, logits.options());
   const float* lp = logits.data_ptr<float>();
   float* vp = values.data_ptr<float>();
@@ -187,7 +186,7 @@ std::vector<torch::Tensor> row_top_k(torch::Tensor logits, int64_t k) {
 // first NaN where a row has one), in one vector pass over the row: the greedy token of every row of a decode step or
 // a verification, where torch's argmax read a 49,152-wide row at ~4.5 GB/s (43 us a row, 0.33 ms for 16).
 std::vector<int64_t> row_argmax(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
                   logits.size(1) >= 1,
               "row_argmax: contiguous float32 [T, V] logits, V >= 1");
   const int64_t T = logits.size(0), V = logits.size(1);
@@ -243,7 +242,7 @@ void record_successors(torch::Tensor logits, const std::vector<int64_t>& tokens,
                        torch::Tensor succ_probs) {
   const int64_t k = succ_tokens.size(1), rows = succ_tokens.size(0), T = logits.size(0);
   TORCH_CHECK(int64_t(tokens.size()) == T, "record_successors: one input token per logits row");
-  TORCH_CHECK(succ_tokens.is_contiguous() && succ_tokens.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(succ_tokens.is_contiguous() && succ_tokens.scalar_type() == torch::kInt &&
                   succ_probs.is_contiguous() && succ_probs.scalar_type() == torch::kHalf &&
                   succ_probs.sizes() == succ_tokens.sizes(),
               "record_successors: contiguous int32 ids and float16 probabilities of one shape [rows, k]");

@@ -1,7 +1,7 @@
-// The functions each source of the extension defines for the others and for the Python binding (small_gemm.cpp
+// The functions each source of the extension defines for the others and for the Python binding (bindings.cpp
 // binds them all): one list, included everywhere, instead of declarations copied by hand.
 #pragma once
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <optional>
 #include <string>
@@ -60,5 +60,3 @@ torch::Tensor decoder_stack(torch::Tensor x, std::vector<torch::Tensor> weights,
                             double scale, bool gelu);
 // isa_peak.cpp: multiply-adds per second of all threads with the int8 or float32 kernels' instruction
 double isa_peak_macs(const std::string& kind, double seconds);
-// suffix_index.cpp: the suffix tries of suffix drafting, a request's own and the engine's (a Python class)
-void bind_suffix_index(pybind11::module& m);

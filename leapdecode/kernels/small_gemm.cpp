@@ -10,8 +10,7 @@
 // Every output element is summed in the same order (even and odd k separately, then added) whatever M and the
 // row's chunk are, so a token's result does not depend on how many rows share the call: plain decoding and the
 // verification of drafts see bit-identical projections.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -187,9 +186,9 @@ static void panel_rows(int64_t M, const Panel& panel, const float* x, float* y, 
 #endif
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "small_linear: x must be a contiguous [M, K] float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.scalar_type() == torch::kFloat &&
                   packed.is_contiguous(),
               "small_linear: packed weight must be a contiguous [N/16, K, 16] float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
@@ -425,9 +424,9 @@ static void rows_x_qpanels_any(int64_t rows, const float* x, const uint8_t* w, i
 template <int KIND>
 static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   constexpr int64_t REC = record_bytes(KIND);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "quant_linear: x must be a contiguous [M, K] float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == REC && packed.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == REC && packed.scalar_type() == torch::kByte &&
                   packed.is_contiguous(),
               "quant_linear: packed weight must be a contiguous [N/16, K/32, record] uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
@@ -496,7 +495,7 @@ static torch::Tensor segments_linear(torch::Tensor x, torch::Tensor packed) {
     for (int64_t d : sizes) bytes *= d;
     TORCH_CHECK(f[5] >= 0 && f[5] + bytes <= packed.numel(), "packed_linear: segment ", i, " out of bounds");
     ys.push_back(packed_linear(x, torch::from_blob(const_cast<uint8_t*>(base + f[5]), sizes,
-                                                   packed.options().dtype(torch::kUInt8))));
+                                                   packed.options().dtype(torch::kByte))));
   }
   return ys.size() == 1 ? ys[0] : torch::cat(ys, 1);
 }
@@ -504,7 +503,7 @@ static torch::Tensor segments_linear(torch::Tensor x, torch::Tensor packed) {
 // y = x @ W^T through whichever packed format W has (float32 panels, int8-activation records, the records of
 // block_formats.h, told apart by their size, or segments of these)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
-  if (packed.scalar_type() == torch::kFloat32) return small_linear(x, packed);
+  if (packed.scalar_type() == torch::kFloat) return small_linear(x, packed);
   if (packed.dim() == 1) return segments_linear(x, packed);
   if (packed.dim() == 4) return a8_linear(x, packed);
   switch (kind_of_record(packed.size(2))) {
@@ -518,34 +517,4 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed) {
     case KIND_Q4H: return quant_linear<KIND_Q4H>(x, packed);
   }
   TORCH_CHECK(false, "packed_linear: unknown packed format of record size ", packed.size(2));
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_linear", &small_linear, "y = x @ W^T for 1..64 rows, W packed as [N/16, K, 16]");
-  m.def("repack_gguf", &repack_gguf, "raw GGUF blocks [N, row bytes] (rows permuted) -> kernel records out [N/16, K/32, bytes]");
-  m.def("unpack_records", &unpack_records, "float32 rows of kernel records (bitwise gguf's dequantisation)");
-  m.def("natural_kind", &natural_kind, "the record kind of a ggml quantization type id (-1: none)");
-  m.def("a8_linear", &a8_linear, "y = x @ W^T with x quantised to int8 per 32 inputs (W4A8 / W8A8, VNNI or AMX)",
-        py::arg("x"), py::arg("packed"), py::arg("amx_rows") = -1);
-  m.def("set_a8_amx_rows", &set_a8_amx_rows, "the fewest rows a8_linear runs on AMX tiles (0: never)");
-  m.def("a8_amx_available", &a8_amx_available, "whether AMX-INT8 tiles are usable here (CPU and OS grant)");
-  m.def("a8_amx_rows", &a8_amx_rows, "that setting where AMX tiles are usable here, else 0");
-  m.def("isa_peak_macs", &isa_peak_macs, "multiply-adds per second of all threads: int8 (VNNI / AVX2) or float32 FMA");
-  m.def("a8_isa", &a8_isa, "what a8_linear was built for: avx512-vnni, avx2, or portable (a slow scalar loop)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
-  m.def("attention_rows", &attention_rows, "query rows' attention over listed paged K/V slots (float32)");
-  m.def("attention_rows_i8", &attention_rows_i8, "the same over an int8 cache (float16 scales per 16 channels)");
-  m.def("quantize_kv_rows", &quantize_kv_rows, "int8 KV quantize-on-write (shift, smooth, rotate, 16-channel scales)");
-  m.def("packed_linear", &packed_linear, "y = x @ W^T through W's packed format");
-  m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of each row of a fused QKV");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection");
-  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate) * up (tanh form) of a fused [T, 2I] gate/up projection");
-  m.def("row_top_k", &row_top_k, "per logits row: its k largest values and indices, and its logsumexp");
-  m.def("row_argmax", &row_argmax, "per logits row: the index of its largest value (torch.argmax's)");
-  m.def("record_successors", &record_successors, "each logits row's top-k into the successor matrix row of its input token");
-  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer for few-token rows in one call");
-  m.def("rotate_rows", &rotate_rows, "(x * smooth) @ R, or x @ R^T, per row of [T, H, D] (int8 KV basis changes)");
-  m.def("decoder_layer_i8", &decoder_layer_i8, "the same over an int8 KV cache (kv_quant.QuantizedKV planes)");
-  m.def("decoder_stack", &decoder_stack, "a run of decoder layers (float32 or int8 cache) for one step in one call");
-  bind_suffix_index(m);
 }

@@ -7,15 +7,15 @@
 // trie held ~260 bytes a node in objects the garbage collector walks. Nodes live in flat arrays (freed ones
 // reused); (parent, token) -> child in one open-addressing table; each node's children keep their creation order
 // in a doubly linked sibling list, as a Python dict keeps insertion order through deletions.
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <queue>
 #include <tuple>
 #include <vector>
-
-#include "ops.h"
 
 namespace {
 
