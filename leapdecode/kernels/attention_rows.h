@@ -274,38 +274,43 @@ static inline void weighted_sum_heads(const float* p, int64_t np, const T* v, co
 }
 
 // Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
-// padding becomes 0. Returns their sum. One fixed order, whatever the caller.
+// padding becomes 0. Returns their sum. One fixed order, whatever the caller: e^x lane by lane and the sum in 16
+// lanes then hsum's tree, held as 16 / kRowLanes registers (on AVX2 two of 8: GCC lowered the 16-lane compares,
+// selects and conversions through memory there, a third of a one-row attention's time)
 static inline float exp_scores(float* sg, int64_t n, int64_t np, float* m_out) {
-  // the max is exact in any order, so 16 lanes at a time (a serial chain of n compares was a visible cost)
+  constexpr int kParts = 16 / kRowLanes;
+  auto load = [&](int64_t j) {
+    vrf x;
+    __builtin_memcpy(&x, sg + j, sizeof(vrf));
+    return x;
+  };
+  // the max is exact in any order, so a register's lanes at a time (a serial chain of n compares was a visible cost)
   float m = sg[0];
   int64_t j = 0;
-  if (n >= 16) {
-    v16f mv;
-    __builtin_memcpy(&mv, sg, 64);
-    for (j = 16; j + 16 <= n; j += 16) {
-      v16f x;
-      __builtin_memcpy(&x, sg + j, 64);
+  if (n >= kRowLanes) {
+    vrf mv = load(0);
+    for (j = kRowLanes; j + kRowLanes <= n; j += kRowLanes) {
+      const vrf x = load(j);
       mv = mv > x ? mv : x;
     }
-    for (int l = 0; l < 16; ++l) m = std::max(m, mv[l]);
+    for (int l = 0; l < kRowLanes; ++l) m = std::max(m, mv[l]);
   }
   for (; j < n; ++j) m = std::max(m, sg[j]);
-  for (int64_t j = n; j < np; ++j) sg[j] = m;
-  for (int64_t j = 0; j < np; j += 16) {
-    v16f e;
-    __builtin_memcpy(&e, sg + j, 64);
-    e = exp16(e - m);
-    __builtin_memcpy(sg + j, &e, 64);
-  }
-  for (int64_t j = n; j < np; ++j) sg[j] = 0.f;  // padding
-  v16f acc = v16f{};
-  for (int64_t j = 0; j < np; j += 16) {
-    v16f e;
-    __builtin_memcpy(&e, sg + j, 64);
-    acc += e;
-  }
+  for (j = n; j < np; ++j) sg[j] = m;
+  vrf acc[kParts] = {};
+  for (j = 0; j < np; j += 16)
+    for (int u = 0; u < kParts; ++u) {
+      vrf e = exp_row_lanes(load(j + u * kRowLanes) - m);
+      if (j + 16 > n)  // the padding becomes 0 (the last vectors only)
+        for (int l = 0; l < kRowLanes; ++l)
+          if (j + u * kRowLanes + l >= n) e[l] = 0.f;
+      __builtin_memcpy(sg + j + u * kRowLanes, &e, sizeof(vrf));
+      acc[u] += e;
+    }
   *m_out = m;
-  return hsum(acc);
+  v16f total;
+  __builtin_memcpy(&total, acc, 64);
+  return hsum(total);
 }
 
 #if defined(__AVX512F__)
