@@ -135,8 +135,8 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const RowsCall call{qp, kp, vp, rp, span, sp, H, G, D, Hkv, float(scale), outp, parts.data(),
                       tasks.first_part.data()};
   const int64_t num_tasks = int64_t(tasks.tasks.size());
-  const int64_t work = pairs * H;  // score count: one thread unless waking a second one pays
-  at::parallel_for(0, num_tasks, work >= 2048 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
+  const int64_t work = pairs * H;  // score count
+  at::parallel_for(0, num_tasks, work >= kParallelScores ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     std::vector<int64_t> meta;
     for (int64_t task = begin; task < end; ++task) run(call, tasks.tasks[task], buf, meta);

@@ -183,7 +183,7 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const at::Half* vs = v_scale.data_ptr<at::Half>();
   const int64_t num_tasks = int64_t(tasks.tasks.size()), work = pairs * H;
   const ChunkI8Fn fused = chunk_i8_for(D, G);  // the common shapes read the int8 rows in registers
-  at::parallel_for(0, num_tasks, work >= 2048 ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tasks, work >= kParallelScores ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = tasks.tasks[task].r0, h = tasks.tasks[task].head, c = tasks.tasks[task].chunk, t = rp[r];
