@@ -497,9 +497,9 @@ struct RowTask {
 
 // The fewest scores (query heads x visible positions, over a call's rows) whose tasks go to every thread. A
 // decode step's other threads are awake (its projections just ran on them), so a split costs little: at 2048, one
-// row stayed on one thread up to ~230 positions (9 heads), where its three KV heads on two threads took a one-row
-// int8 step of the bundled model from 7.8-8.1 to 6.9 ms (Zen 3, two of three A/B rounds; level in the third). At
-// 256 (one row over ~28 positions) a lone call read level within its noise (3.8-6.2 against 4.7-7.0 us).
+// row stayed on one thread up to ~230 positions (9 heads). At 256 (one row over ~28 positions), one-row steps of
+// the bundled model at 128 positions, the two settings alternating every 4 steps in one process: int8 5.68 / 7.62
+// -> 5.55 / 7.38 ms, float32 13.10 / 13.67 -> 12.42 / 13.20 ms (two runs each, Zen 3).
 constexpr int64_t kParallelScores = 256;
 
 struct RowTasks {
