@@ -98,7 +98,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // gelu(gate) * up, GELU in its tanh form: g / 2 (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi), with
-// tanh(y) = 1 - 2 / (1 + e^2y) (exp16 saturates, so |y| large gives +-1)
+// tanh(y) = 1 - 2 / (1 + e^2y) (exp_lanes saturates, so |y| large gives +-1)
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   const float c = 0.7978845608028654f, a = 0.044715f;
   return gated_product(gate_up, "gelu_tanh_mul", [=](vrf g) {

@@ -105,7 +105,6 @@ static inline V exp_lanes(V x) {
   VI e = (__builtin_convertvector(fx, VI) + 127) << 23;
   return y * (V)e;
 }
-static inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
 
 // The lanes of the loops over long rows (a logits row's argmax and top-k, the gated products): 16 with AVX-512,
 // else 8, the register's width. GCC lowered those loops' 16-lane compares and selects through memory on AVX2: a
