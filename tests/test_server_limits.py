@@ -152,6 +152,37 @@ def test_queue_cap_is_checked_before_tokenizing(base: str, llm: LLM, monkeypatch
             t.join(30)
 
 
+def test_a_queued_request_counts_once(base: str, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_queue=2 with one request in the engine's queue (held before the engine accepts it): a second one is
+    admitted. The request being handed over used to count both as prepared and as queued, refusing the second."""
+    real, entered, release = llm.engine.add_request, threading.Event(), threading.Event()
+
+    def held(*a, **k):
+        entered.set()
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(llm.engine, "add_request", held)
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(r=post(base, "/v1/completions", body)))
+    t.start()
+    try:
+        assert entered.wait(30)
+        second: dict = {}
+        t2 = threading.Thread(target=lambda: second.update(r=post(base, "/v1/completions", body)))
+        t2.start()
+        t2.join(1.0)  # a refusal comes back at once; an admitted request waits behind the held one
+        assert "r" not in second, second["r"].text
+        release.set()
+        t.join(30)
+        t2.join(30)
+        assert first["r"].status_code == 200 and second["r"].status_code == 200, (first["r"].text, second["r"].text)
+    finally:
+        release.set()
+        t.join(30)
+
+
 def test_slow_body_gets_408(base: str) -> None:
     host, port = base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=20) as s:

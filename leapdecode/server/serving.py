@@ -108,6 +108,19 @@ def validation_error(e: ValidationError) -> P.APIError:
     return P.APIError("invalid request: " + "; ".join(parts), param=param)
 
 
+class Admission:
+    """One request's place under the queue cap while it is prepared, before the engine's queue counts it."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.serving.preparing -= 1
+
+
 class Serving:
     """The state and plumbing the routes share; one per app."""
 
@@ -267,17 +280,19 @@ class Serving:
         )
 
     @contextlib.contextmanager
-    def admission(self) -> Iterator[None]:
+    def admission(self) -> Iterator[Admission]:
         """The queue cap, applied before a request's expensive work (tokenizing, compiling its grammar): the
-        requests being prepared count against ``max_queue`` with the ones waiting in the engine."""
+        requests being prepared count against ``max_queue`` with the ones waiting in the engine. A request stops
+        counting here when :meth:`submit_all` hands it to the engine's queue, so it is never counted twice."""
         waiting = self.aengine.num_queued + self.preparing
         if waiting >= self.aengine.max_queue:
             raise self.busy(f"{waiting} requests are already waiting (max_queue={self.aengine.max_queue})")
         self.preparing += 1
+        admitted = Admission(self)
         try:
-            yield
+            yield admitted
         finally:
-            self.preparing -= 1
+            admitted.release()
 
     async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """Compile the request's output grammar in the grammar engine's worker threads, so that the engine
@@ -314,10 +329,10 @@ class Serving:
         return compiled
 
     async def submit(
-        self, tokens: list[int], params: SamplingParams, prompt: str | None, prompt_param: str
+        self, tokens: list[int], params: SamplingParams, prompt: str | None, prompt_param: str,
+        grammar: CompiledGrammar | None,
     ) -> RequestStream:
         """Hand the request to the engine loop; a full queue or a stopped engine is a 503, a refusal a 400."""
-        grammar = await self.compile_grammar(params)
         try:
             return await self.aengine.add_request(tokens, params, prompt, grammar=grammar)
         except QueueFullError as e:
@@ -334,13 +349,20 @@ class Serving:
             raise P.APIError(msg, param=param) from None
 
     async def submit_all(
-        self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams], prompt_param: str
+        self,
+        prompts: list[tuple[list[int], str | None]],
+        params: list[SamplingParams],
+        prompt_param: str,
+        admitted: Admission,
     ) -> list[RequestStream]:
-        """:meth:`submit` each prompt; if one is refused, the ones already submitted are aborted."""
+        """Compile every prompt's grammar, then :meth:`submit` each prompt; if one is refused, the ones already
+        submitted are aborted. From the first submit on, the engine's queue counts the request, not ``admitted``."""
+        grammars = [await self.compile_grammar(p) for p in params]
+        admitted.release()
         streams: list[RequestStream] = []
         try:
-            for (tokens, text), p in zip(prompts, params, strict=True):
-                streams.append(await self.submit(tokens, p, text, prompt_param))
+            for (tokens, text), p, grammar in zip(prompts, params, grammars, strict=True):
+                streams.append(await self.submit(tokens, p, text, prompt_param, grammar))
         except BaseException:
             for stream in streams:
                 stream.abort()

@@ -145,7 +145,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req.check_supported()
         chosen = req.tool_constraint()
         tool: ToolConstraint = None if chosen == "auto" else chosen
-        with serving.admission():  # the queue cap, before tokenizing and compiling
+        with serving.admission() as admitted:  # the queue cap, before tokenizing and compiling
             tokens = await encode(req, chosen)
             parser = output_parser(chosen, tokens)
             extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
@@ -157,7 +157,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             params = serving.sampling_params(req, len(tokens), "messages", **extra)
             hold = max((len(stop) for stop in params.stop_list), default=1) - 1
             outputs: dict[int, ChatOutputStream] = {}
-            streams = await serving.submit_all([(tokens, None)], [params], "messages")
+            streams = await serving.submit_all([(tokens, None)], [params], "messages", admitted)
         rid, ts = P.random_id("chatcmpl"), P.now_s()
         n = req.n or 1
 

@@ -42,12 +42,12 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req: P.CompletionRequest = await serving.parse(request, P.CompletionRequest)
         serving.check_model(req.model)
         req.check_supported()
-        with serving.admission():  # the queue cap, before tokenizing and compiling
+        with serving.admission() as admitted:  # the queue cap, before tokenizing and compiling
             prompts = [await encode(p) for p in req.prompts()]
             extra = {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs()}
             params = [serving.sampling_params(req, len(tokens), "prompt", **extra) for tokens, _ in prompts]
             echoed = [text if text is not None else tokenizer.decode(tokens) for tokens, text in prompts]
-            streams = await serving.submit_all(prompts, params, "prompt")
+            streams = await serving.submit_all(prompts, params, "prompt", admitted)
         rid, ts = P.random_id("cmpl"), P.now_s()
         n = req.n or 1
         token_chars: dict[int, int] = {}  # per choice: the text of the tokens streamed so far, where the next starts

@@ -118,14 +118,14 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             chat = req.as_chat()
         except ValidationError as e:
             raise validation_error(e) from None
-        with serving.admission():
+        with serving.admission() as admitted:
             try:
                 tokens = await asyncio.to_thread(serving.llm.apply_chat_template, conversation)
             except Exception as e:  # template errors (e.g. role order rules) are the caller's input
                 why = not_unicode([m["content"] for m in conversation]) or str(e)
                 raise P.APIError(f"could not apply the chat template: {why}", param="input") from None
             params = serving.sampling_params(chat, len(tokens), "input")
-            [stream] = await serving.submit_all([(tokens, None)], [params], "input")
+            [stream] = await serving.submit_all([(tokens, None)], [params], "input", admitted)
         rid, msg_id, created = P.random_id("resp"), P.random_id("msg"), P.now_s()
 
         def build(status: str, output: list[OutputMessage], final: StreamOutput | None) -> ResponseObject:
