@@ -41,6 +41,29 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call() -> None
         assert torch.equal(ext.small_linear(x[:m].contiguous(), packed), alone[:m])
 
 
+@needs_kernel
+def test_panels_shared_between_any_number_of_threads_give_the_same_bits() -> None:
+    """The projections split their 16-output panels between threads, and a thread done early takes panels from
+    the back of the others' shares: every panel must be computed, once, and equal whichever thread did it."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16 * 61, 256, generator=g)  # 61 panels: no even split
+    floats = small_gemm.pack(w)
+    ints = _gguf_blocks("Q4_1", 16 * 61, 256, seed=3)[0].to_block_quantized().pack_int8_activations()
+    x = torch.randn(16, 256, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {m: (ext.small_linear(x[:m], floats), ext.a8_linear(x[:m], ints)) for m in (1, 5, 16)}
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            for m, (f, i) in alone.items():
+                for _ in range(20):  # the owners and the thieves race differently each call
+                    assert torch.equal(ext.small_linear(x[:m], floats), f), (threads, m)
+                    assert torch.equal(ext.a8_linear(x[:m], ints), i), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
     """A random [n, k] weight quantized by gguf-py to ``fmt``: its kernel records and gguf's dequantisation."""
     gguf = pytest.importorskip("gguf")

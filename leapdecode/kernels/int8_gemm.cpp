@@ -454,7 +454,7 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed, int64_t amx_rows)
   const int64_t min_rows = amx_rows < 0 ? amx_min_rows.load() : amx_rows;
   // AMX tiles give the same integer sums and float steps (amx_int8.cpp), so the choice changes no result
   if (min_rows > 0 && M >= min_rows && a8_amx_linear(kind, xr, M, wp, N / 16, panel_bytes, yp, K, N)) return y;
-  at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
+  auto panels = [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t rows = std::min<int64_t>(ROW_CHUNK, M - r0);
@@ -468,7 +468,8 @@ torch::Tensor a8_linear(torch::Tensor x, torch::Tensor packed, int64_t amx_rows)
           default: rows_x_a8panel_any<A8_Q4H>(rows, xr, r0, panel, out, K, N);
         }
       }
-  });
+  };
+  over_panels(N / 16, 8, 4, panels);
   return y;
 }
 

@@ -199,7 +199,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // ~8 panels (300 KB of weights at K = 576) per task keeps the threading overhead small against the reads
-  at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
+  auto panels = [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* w = wp + p * K * 16;
 #ifdef HALF_PANELS
@@ -209,7 +209,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
         rows_x_panel_any(std::min<int64_t>(ROW_CHUNK, M - r0), xp + r0 * K, w, yp + r0 * N + p * 16, K, N);
 #endif
     }
-  });
+  };
+  over_panels(N / 16, 8, 4, panels);
   return y;
 }
 
@@ -437,7 +438,7 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t panel_bytes = packed.size(1) * REC;
-  at::parallel_for(0, N / 16, 8, [&](int64_t begin, int64_t end) {
+  auto panels = [&](int64_t begin, int64_t end) {
 #ifdef HALF_PANELS
     for (int64_t p = begin; p < end; ++p)
       panel_rows(M, BlockPanel<KIND>{wp + p * panel_bytes}, xp, yp + p * 16, K, N);
@@ -468,7 +469,8 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
                          N);
     }
 #endif
-  });
+  };
+  over_panels(N / 16, 8, 4, panels);
   return y;
 }
 
