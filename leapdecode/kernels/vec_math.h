@@ -38,11 +38,14 @@ static inline float hsum(v16f v) {
 #endif
 }
 
-// q . k over d floats in a fixed order (16 lanes, then the lanes summed): vectorised without -ffast-math
+// q . k over d floats in a fixed order (16 lanes, then the lanes summed): vectorised without -ffast-math. Below
+// AVX-512 the 16 lanes are two 8-lane registers, the same sums in the same order: GCC kept a 16-lane accumulator
+// in memory there (RMSNorm over 16 rows of 576 took 14.4 us, ~1.3 ns a value, on Zen 3)
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
   int64_t i = 0;
   float tail = 0.f;
   if (d >= 16) {
+#if defined(__AVX512F__)
     v16f acc = v16f{};
     for (; i + 16 <= d; i += 16) {
       v16f x, y;
@@ -51,6 +54,19 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
       acc += x * y;
     }
     tail = hsum(acc);
+#else
+    v8f lo = v8f{}, hi = v8f{};
+    for (; i + 16 <= d; i += 16) {
+      v8f x0, y0, x1, y1;
+      __builtin_memcpy(&x0, a + i, 32);
+      __builtin_memcpy(&y0, b + i, 32);
+      __builtin_memcpy(&x1, a + i + 8, 32);
+      __builtin_memcpy(&y1, b + i + 8, 32);
+      lo += x0 * y0;
+      hi += x1 * y1;
+    }
+    tail = hsum8(lo + hi);  // hsum's 16 lanes: halves added, then its last steps
+#endif
   }
   for (; i < d; ++i) tail += a[i] * b[i];
   return tail;
