@@ -15,8 +15,8 @@
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / 32;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-                  std::vector<int32_t>(M * nb), std::vector<int32_t>(2 * M * nb)};
+  QuantizedRows r{RowBuffer<int8_t>(M * K), RowBuffer<float>(M * nb), RowBuffer<float>(M * nb),
+                  RowBuffer<int32_t>(M * nb), RowBuffer<int32_t>(2 * M * nb)};
   auto body = [&](int64_t row0, int64_t row1) {
     for (int64_t b = row0 * nb; b < row1 * nb; ++b) {
       const float* v = x + b * 32;
@@ -64,6 +64,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
       int32_t acc = 0;
+      r.half[2 * b] = r.half[2 * b + 1] = 0;
       for (int i = 0; i < 32; ++i) {
         const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
         r.q[b * 32 + i] = static_cast<int8_t>(qi);
