@@ -203,8 +203,11 @@ constexpr const char* A8_ISA = "avx512-vnni";
 // AVX2 (no VNNI: AMD Zen 1-3, most client x86): vpmaddubsw + vpmaddwd make the same 4-product integer sums per
 // 32-bit lane as vpdpbusd, over 8 outputs per 256-bit half of a line. vpmaddubsw saturates pairs at int16, which
 // Q4 codes (<= 15 x 127 x 2) never reach but Q8's offset codes (<= 255 x 127 x 2) would: Q8 multiplies |q| by
-// x carrying q's sign instead (<= 128 x 127 x 2), the same integer sum(q * x) the offset form makes. The float
-// steps are the VNNI loop's, lane for lane, so results are bit-identical to it.
+// x carrying q's sign instead (<= 128 x 127 x 2), the same integer sum(q * x) the offset form makes. Where the
+// int16 pair sums of several groups stay within int16 (a Q4 block's 8 groups, two Q6_K groups), they are added
+// as int16 and widened by one vpmaddwd: a third fewer multiply-port ops, 6-18% faster Q4_1, Q4_K and Q6_K
+// projections at 1-16 rows (A/B of the two builds in one process, Zen 3). The sums are exact either way and the
+// float steps are the VNNI loop's, lane for lane, so results are bit-identical to it.
 // 8 rows' (half h of a block's 16) scale and minimum, as A8Block's scalar forms compute them
 template <int A>
 static inline __m256 a8_scale8(const A8Block<A>& blk, int h) {
@@ -262,12 +265,20 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
         int32_t word;
         __builtin_memcpy(&word, xq + r * K + b * 32 + 4 * v, 4);
         const __m256i xv = _mm256_set1_epi32(word);
-        const __m256i x0 = Q4 ? xv : _mm256_sign_epi8(xv, q0);
-        const __m256i x1 = Q4 ? xv : _mm256_sign_epi8(xv, q1);
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+        if constexpr (Q4) {  // int16 pair sums, widened once per block (below)
+          s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xv));
+          s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xv));
+        } else {
+          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(xv, q0)), ones));
+          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(xv, q1)), ones));
+        }
       }
     }
+    if constexpr (Q4)  // a Q4 block's 8 pair sums per lane: |sum| <= 8 x 2 x 15 x 127 = 30,480, within int16
+      for (int r = 0; r < R; ++r) {
+        s[r][0] = _mm256_madd_epi16(s[r][0], ones);
+        s[r][1] = _mm256_madd_epi16(s[r][1], ones);
+      }
     const __m256 d0 = a8_scale8(blk, 0), d1 = a8_scale8(blk, 1);
     const __m256 m0 = Q4 ? a8_minimum8(blk, 0) : _mm256_setzero_ps();
     const __m256 m1 = Q4 ? a8_minimum8(blk, 1) : _mm256_setzero_ps();
@@ -330,13 +341,16 @@ static inline void rows_x_a8q6k(const QuantizedRows& xr, int64_t r0, const uint8
       const int8_t* xb = xq + r * K + b * 32;
       __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                          {_mm256_setzero_si256(), _mm256_setzero_si256()}};
-      for (int v = 0; v < 8; ++v) {
-        int32_t word;
-        __builtin_memcpy(&word, xb + 4 * v, 4);
-        const __m256i xv = _mm256_set1_epi32(word);
-        for (int hh = 0; hh < 2; ++hh) {  // u <= 63: the pairs vpmaddubsw adds stay far below int16's limit
-          const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v][hh]));
-          s[v / 4][hh] = _mm256_add_epi32(s[v / 4][hh], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+      for (int v = 0; v < 8; v += 2) {  // two groups' int16 pair sums added before widening: u <= 63, so
+        int32_t w0, w1;                   // |sum| <= 2 x 2 x 63 x 127 = 32,004, within int16
+        __builtin_memcpy(&w0, xb + 4 * v, 4);
+        __builtin_memcpy(&w1, xb + 4 * v + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(w0), x1 = _mm256_set1_epi32(w1);
+        for (int hh = 0; hh < 2; ++hh) {
+          const __m256i p = _mm256_add_epi16(
+              _mm256_maddubs_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v][hh])), x0),
+              _mm256_maddubs_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(wu[v + 1][hh])), x1));
+          s[v / 4][hh] = _mm256_add_epi32(s[v / 4][hh], _mm256_madd_epi16(p, ones));
         }
       }
       const int64_t i = (r0 + r) * nb + b;
