@@ -280,7 +280,8 @@ class SuffixIndex {
 };
 
 void bind_suffix_index(pybind11::module& m) {
-  pybind11::class_<SuffixIndex>(m, "SuffixIndex", "a suffix trie over texts (speculative/methods/suffix.py)")
+  pybind11::class_<SuffixIndex>(m, "SuffixIndex", pybind11::module_local(),
+                              "a suffix trie over texts (speculative/methods/suffix.py)")
       .def(pybind11::init<int64_t>())
       .def("append", &SuffixIndex::append, "append tokens to the indexed text (one request's trie)")
       .def("add", &SuffixIndex::add, "count one more whole text, naming its owner")

@@ -1,0 +1,123 @@
+"""Two builds of the CPU kernels timed in one process: this checkout's and a baseline checkout's.
+
+Run: ``python -m leapdecode.bench.kernel_ab --baseline ../base --rows 1,4,16``, where ``../base`` is another checkout
+of this project (e.g. ``git worktree add ../base HEAD~1``). The baseline's kernels are built in a child process
+under their own name (a build's name carries its checkout's path) and loaded next to this checkout's; the model
+is loaded once, and whole decode steps run with ``extension.ext`` set to one build or the other, switching every
+``--switch-every`` steps. On a shared VM two processes a few minutes apart can differ by more than most kernel
+changes (10-50%), while steps interleaved in one process see the same machine; this is how the kernels' A/Bs in
+docs/bench were measured. Each row count's step is also run once per build and its logits and hidden rows compared:
+a kernel change that should keep the bits shows ``identical``.
+
+Both builds read the weights as this checkout packs them, so a baseline whose record layout differs is not
+comparable (its logits differ, and the tool says so). A baseline from before this tool (2026-12-07) registers its
+suffix-trie class globally; this checkout's registers it locally, so the two still load side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from leapdecode.engine.model_runner import ForwardItem, ForwardResult
+from leapdecode.kernels import extension
+from leapdecode.llm import LLM
+
+_BUILD = ("import sys; sys.path.insert(0, sys.argv[1]); from leapdecode.kernels import extension; "
+          "print(extension.load_kernel(True).__file__)")
+
+
+def baseline_kernels(checkout: Path) -> ModuleType:
+    """The baseline checkout's compiled kernels: built (or found built) by a child process importing that
+    checkout, then loaded here from the shared library it names."""
+    if not (checkout / "leapdecode" / "kernels" / "extension.py").is_file():
+        raise SystemExit(f"--baseline {checkout}: not a checkout of this project (no leapdecode/kernels/extension.py)")
+    if checkout.resolve() == Path(extension.__file__).resolve().parents[2]:
+        raise SystemExit("--baseline is this checkout: give another one (e.g. git worktree add ../base HEAD~1)")
+    print(f"building or finding the baseline's kernels ({checkout}) ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-c", _BUILD, str(checkout.resolve())], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the baseline's kernels did not build:\n{done.stderr.strip()[-2000:]}")
+    library = Path(done.stdout.strip().splitlines()[-1])
+    spec = importlib.util.spec_from_file_location(library.name.split(".")[0], library)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def same_bits(a: list[ForwardResult], b: list[ForwardResult]) -> str:
+    """``identical``, or the largest difference between two builds' logits and hidden rows of one step."""
+    pairs = [pair for x, y in zip(a, b, strict=True) for pair in ((x.logits, y.logits), (x.hidden, y.hidden))]
+    if all(torch.equal(x, y) for x, y in pairs):
+        return "identical"
+    return f"differ (max |diff| {max(float((x - y).abs().max()) for x, y in pairs):.3g})"
+
+
+def interleaved(llm: LLM, builds: tuple[ModuleType, ModuleType], rows: int, context: int, steps: int,
+                every: int) -> tuple[list[float], list[float], str]:
+    """Seconds of ``steps`` steps of ``rows`` new tokens of one sequence after ``context`` cached ones, the builds
+    taking turns every ``every`` steps; and whether one step's results are the same bits under both."""
+    eng = llm.engine
+    runner, bm = eng.runner, eng.block_manager
+    times: tuple[list[float], list[float]] = ([], [])
+    current = extension.ext
+    try:
+        with ExitStack() as stack:
+            table = stack.enter_context(bm.borrowed(context + rows, "a kernel A/B"))
+            items = [ForwardItem(table, context, [(7 * i + 11) % 1000 + 100 for i in range(rows)], list(range(rows)))]
+            outputs = []
+            for build in builds:
+                extension.ext = build
+                outputs.append(runner.execute(items))
+            bits = same_bits(*outputs)
+            for i in range(2 * every + steps):  # a warm-up round of both, then the timed steps
+                which = (i // every) % 2
+                extension.ext = builds[which]
+                t0 = time.perf_counter()
+                runner.execute(items)
+                if i >= 2 * every:
+                    times[which].append(time.perf_counter() - t0)
+    finally:
+        extension.ext = current
+    return times[0], times[1], bits
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m leapdecode.bench.kernel_ab", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", type=Path, required=True, help="another checkout of this project")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
+    p.add_argument("--linear-kernel", default="auto", help="the engine's linear_kernel (e.g. packed-int8act)")
+    p.add_argument("--rows", default="1,4,16", help="comma list of new tokens per step (a tree's or draft's rows)")
+    p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
+    p.add_argument("--steps", type=int, default=400, help="timed steps per row count, both builds together")
+    p.add_argument("--switch-every", type=int, default=4, help="steps of one build before the other's")
+    a = p.parse_args(argv)
+    rows = [int(r) for r in a.rows.split(",") if r.strip()]
+    if not rows or min(rows) < 1 or a.steps < 2 or a.switch_every < 1 or a.context < 0:
+        p.error("--rows must list counts >= 1, --steps >= 2, --switch-every >= 1, --context >= 0")
+    this = extension.load_kernel(required=True)
+    base = baseline_kernels(a.baseline)
+    llm = LLM(model=a.model, linear_kernel=a.linear_kernel) if a.model else LLM(linear_kernel=a.linear_kernel)
+    torch.set_num_threads(llm.engine.num_threads)
+    print("| rows | baseline ms | this checkout ms | speedup | results |\n|---|---|---|---|---|")
+    for n in rows:
+        old, new, bits = interleaved(llm, (base, this), n, a.context, a.steps, a.switch_every)
+        b, t = statistics.median(old) * 1e3, statistics.median(new) * 1e3
+        print(f"| {n} | {b:.2f} | {t:.2f} | {b / t:.3f}x | {bits} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
