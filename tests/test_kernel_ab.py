@@ -25,6 +25,14 @@ def test_same_bits_names_the_largest_difference() -> None:
     assert kernel_ab.same_bits(a, b) == "differ (max |diff| 0.25)"
 
 
+def test_cycle_ratios_pair_each_cycles_halves() -> None:
+    # two cycles of 2 steps each: the baseline 2x then 4x slower within its cycle, whatever the machine's level
+    old, new = [2.0, 2.0, 40.0, 40.0], [1.0, 1.0, 10.0, 10.0]
+    q1, q2, q3 = kernel_ab.cycle_ratios(old, new, every=2)
+    assert q1 <= q2 <= q3 and q2 == pytest.approx(3.0) and {q1, q3} <= {1.5, 2.0, 4.0, 4.5}
+    assert kernel_ab.cycle_ratios([3.0], [1.5], every=1) == (2.0, 2.0, 2.0)
+
+
 def test_baseline_must_be_another_checkout(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not a checkout"):
         kernel_ab.baseline_kernels(tmp_path)

@@ -94,6 +94,21 @@ def interleaved(llm: LLM, builds: tuple[ModuleType, ModuleType], rows: int, cont
     return times[0], times[1], bits
 
 
+def cycle_ratios(old: list[float], new: list[float], every: int) -> tuple[float, float, float]:
+    """The baseline / this-build time ratio of each cycle (``every`` steps of each build, back to back), as the
+    quartiles over cycles: a slow spell moves both halves of a cycle, so the ratios spread less than the times."""
+    cycles = min(len(old), len(new)) // every
+
+    def part(xs: list[float], c: int) -> float:
+        return statistics.median(xs[c * every:(c + 1) * every])
+
+    ratios = sorted(part(old, c) / part(new, c) for c in range(cycles))
+    if len(ratios) < 2:
+        return (ratios[0],) * 3 if ratios else (float("nan"),) * 3
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return q1, q2, q3
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m leapdecode.bench.kernel_ab", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     base = baseline_kernels(a.baseline)
     llm = LLM(model=a.model, linear_kernel=a.linear_kernel) if a.model else LLM(linear_kernel=a.linear_kernel)
     torch.set_num_threads(llm.engine.num_threads)
-    print("| rows | baseline ms | this checkout ms | speedup | results |\n|---|---|---|---|---|")
+    print("| rows | baseline ms | this checkout ms | speedup | per-cycle speedup, median (middle half) | results |\n"
+          "|---|---|---|---|---|---|")
     for n in rows:
         old, new, bits = interleaved(llm, (base, this), n, a.context, a.steps, a.switch_every)
         b, t = statistics.median(old) * 1e3, statistics.median(new) * 1e3
-        print(f"| {n} | {b:.2f} | {t:.2f} | {b / t:.3f}x | {bits} |", flush=True)
+        q1, q2, q3 = cycle_ratios(old, new, a.switch_every)
+        print(f"| {n} | {b:.2f} | {t:.2f} | {b / t:.3f}x | {q2:.3f}x ({q1:.3f}-{q3:.3f}) | {bits} |", flush=True)
     return 0
 
 
