@@ -72,7 +72,8 @@ static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float
 // multiply and an add differed between instantiations, which broke the float32 / block-kernel identity.
 
 // One panel's weights, visited as f(k, w0, w1) for each input pair (k, k + 1) of inputs k0 .. k0+31, outputs
-// 8h .. 8h+7: read from a float32 panel, or rebuilt from Q4/Q8 records exactly as dequant_pair does
+// 8h .. 8h+7 (or both halves at once, `both`): read from a float32 panel, or rebuilt from Q4/Q8 records exactly as
+// dequant_pair does
 struct FloatPanel {
   const float* w;
   int64_t K;
@@ -86,23 +87,33 @@ struct FloatPanel {
       f(k, _mm256_loadu_ps(w + k * 16 + 8 * h), _mm256_loadu_ps(w + (k + 1) * 16 + 8 * h));
     }
   }
+  template <class F>
+  void both(int64_t k0, F&& f) const {
+    for (int64_t k = k0; k < std::min<int64_t>(k0 + 32, K); k += 2) {
+      __builtin_prefetch(w + (k + PREFETCH) * 16);
+      __builtin_prefetch(w + (k + PREFETCH + 1) * 16);
+      f(k, _mm256_loadu_ps(w + k * 16), _mm256_loadu_ps(w + (k + 1) * 16), _mm256_loadu_ps(w + k * 16 + 8),
+        _mm256_loadu_ps(w + (k + 1) * 16 + 8));
+    }
+  }
 };
 
+// one 32-input block's weights for outputs 8 ho .. 8 ho + 7: its scales and minima read once, then the weights
+// of input pair i (0..15) rebuilt on demand
 template <int KIND>
-struct BlockPanel {
-  const uint8_t* records;
-  template <class F>
-  void operator()(int64_t k0, int ho, F&& f) const {
-    constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
-    const uint8_t* rec = records + (k0 / SPAN) * REC;
-    const int sb = int((k0 % SPAN) / 32);
-    if (ho == 0)  // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
-      for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(rec + sb * SUB + PREFETCH_RECORDS * SUB + line);
-    auto f32 = [&](int64_t off) { return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + off) + 8 * ho); };
-    auto bytes = [&](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * ho)); };
-    auto i8f = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); };
-    auto u8f = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); };
-    __m256 s[2], m[2];  // per block half (inputs 0-15, 16-31): scale and minimum of outputs 8 ho .. 8 ho + 7
+struct BlockHalf {
+  static constexpr int64_t REC = record_bytes(KIND), SPAN = kind_span(KIND), SUB = REC * 32 / SPAN;
+  const uint8_t* rec;
+  const uint8_t* c;
+  int sb, ho;
+  __m256 s[2], m[2];  // per block half (inputs 0-15, 16-31): scale and minimum of the 8 outputs
+  __m128i bytes(const uint8_t* p) const { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * ho)); }
+  __m256 i8f(const uint8_t* p) const { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
+  __m256 u8f(const uint8_t* p) const { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
+  __m256 f32(int64_t off) const { return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + off) + 8 * ho); }
+
+  BlockHalf(const uint8_t* records, int64_t k0, int half)
+      : rec(records + (k0 / SPAN) * REC), sb(int((k0 % SPAN) / 32)), ho(half) {
     if constexpr (KIND == KIND_Q4 || KIND == KIND_Q8M) {
       s[0] = s[1] = f32(0), m[0] = m[1] = f32(64);
     } else if constexpr (KIND == KIND_Q4H) {
@@ -124,34 +135,63 @@ struct BlockPanel {
     } else {
       s[0] = s[1] = f32(0), m[0] = m[1] = _mm256_setzero_ps();
     }
-    const uint8_t* c = rec + kind_codes_offset(KIND) + (KIND == KIND_Q4K ? 256 * sb : 0);
+    c = rec + kind_codes_offset(KIND) + (KIND == KIND_Q4K ? 256 * sb : 0);
+  }
+  void prefetch() const {  // about PREFETCH_RECORDS 32-input blocks ahead, whatever the record's span
+    for (int64_t line = 0; line < SUB; line += 64) __builtin_prefetch(rec + sb * SUB + PREFETCH_RECORDS * SUB + line);
+  }
+  // the weights of inputs k0 + 2i and k0 + 2i + 1
+  void pair(int i, __m256& w0, __m256& w1) const {
+    const int h = i / 8;
+    if constexpr (KIND == KIND_Q6K) {
+      const __m256i lo = _mm256_cvtepu8_epi32(bytes(c + 256 * sb + i * 16));
+      const __m256i hi = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes(rec + 2368 + 128 * sb + (i / 2) * 16)),
+                                           4 * (i % 2));
+      const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32), low4 = _mm256_set1_epi32(15);
+      const __m256i q0 = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
+      const __m256i q1 = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
+      w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, bias)), w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, bias));
+    } else if constexpr (kind_nibbles(KIND)) {
+      const __m256i b = _mm256_cvtepu8_epi32(bytes(c + i * 16));
+      w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+      w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    } else if constexpr (kind_unsigned(KIND)) {
+      w0 = u8f(c + i * 32), w1 = u8f(c + i * 32 + 16);
+    } else {
+      w0 = i8f(c + i * 32), w1 = i8f(c + i * 32 + 16);
+    }
+    if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S || KIND == KIND_Q6K) {
+      w0 = _mm256_mul_ps(w0, s[h]), w1 = _mm256_mul_ps(w1, s[h]);
+    } else {
+      w0 = _mm256_add_ps(_mm256_mul_ps(w0, s[h]), m[h]), w1 = _mm256_add_ps(_mm256_mul_ps(w1, s[h]), m[h]);
+    }
+  }
+};
+
+template <int KIND>
+struct BlockPanel {
+  const uint8_t* records;
+  template <class F>
+  void operator()(int64_t k0, int ho, F&& f) const {
+    const BlockHalf<KIND> half(records, k0, ho);
+    if (ho == 0) half.prefetch();
     for (int i = 0; i < 16; ++i) {
-      const int h = i / 8;
       __m256 w0, w1;
-      if constexpr (KIND == KIND_Q6K) {
-        const __m256i lo = _mm256_cvtepu8_epi32(bytes(c + 256 * sb + i * 16));
-        const __m256i hi = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes(rec + 2368 + 128 * sb + (i / 2) * 16)),
-                                             4 * (i % 2));
-        const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32), low4 = _mm256_set1_epi32(15);
-        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
-        const __m256i q1 = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
-        w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, bias)), w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, bias));
-      } else if constexpr (kind_nibbles(KIND)) {
-        const __m256i b = _mm256_cvtepu8_epi32(bytes(c + i * 16));
-        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-      } else if constexpr (kind_unsigned(KIND)) {
-        w0 = u8f(c + i * 32), w1 = u8f(c + i * 32 + 16);
-      } else {
-        w0 = i8f(c + i * 32), w1 = i8f(c + i * 32 + 16);
-      }
-      if constexpr (KIND == KIND_Q8 || KIND == KIND_Q8S || KIND == KIND_Q6K) {
-        w0 = _mm256_mul_ps(w0, s[h]), w1 = _mm256_mul_ps(w1, s[h]);
-      } else {
-        w0 = _mm256_add_ps(_mm256_mul_ps(w0, s[h]), m[h]), w1 = _mm256_add_ps(_mm256_mul_ps(w1, s[h]), m[h]);
-      }
+      half.pair(i, w0, w1);
       f(k0 + 2 * i, w0, w1);
+    }
+  }
+  // both halves at once: f(k, w0, w1 of outputs 0-7, w0, w1 of outputs 8-15)
+  template <class F>
+  void both(int64_t k0, F&& f) const {
+    const BlockHalf<KIND> lo(records, k0, 0), hi(records, k0, 1);
+    lo.prefetch();
+    for (int i = 0; i < 16; ++i) {
+      __m256 a0, a1, b0, b1;
+      lo.pair(i, a0, a1);
+      hi.pair(i, b0, b1);
+      f(k0 + 2 * i, a0, a1, b0, b1);
     }
   }
 };
@@ -169,6 +209,23 @@ static inline void fma_rows(__m256* a0, __m256* a1, __m256 w0, __m256 w1, const 
 // and streaming the chunks' sums through memory (~2x at 8-16 rows, 1.3x at 32: linear_bench, Q4_1)
 template <int R, class Panel>
 static inline void rows_x_half_panels(const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
+  // one row takes both halves in one pass: each sum in the same order, and four FMA chains in flight instead of
+  // two (a one-row float32 step 1.08-1.11x on Q4_1, 1.20-1.22x on Q4_K_M, same bits: kernel_ab on Zen 3, where
+  // one chain's FMA latency bounded the loop); two rows that way spill and ran 0.86-0.96x
+  if constexpr (R == 1) {
+    __m256 a0[R], a1[R], b0[R], b1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 32)
+      panel.both(k0, [&](int64_t k, __m256 u0, __m256 u1, __m256 v0, __m256 v1) {
+        fma_rows<R>(a0, a1, u0, u1, x, K, k);
+        fma_rows<R>(b0, b1, v0, v1, x, K, k);
+      });
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * N, _mm256_add_ps(a0[r], a1[r]));
+      _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(b0[r], b1[r]));
+    }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {
     __m256 a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
