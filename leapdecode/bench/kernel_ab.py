@@ -29,7 +29,8 @@ from types import ModuleType
 
 import torch
 
-from leapdecode.engine.model_runner import ForwardItem, ForwardResult
+from leapdecode.bench.step_rows import scratch_step
+from leapdecode.engine.model_runner import ForwardResult
 from leapdecode.kernels import extension
 from leapdecode.llm import LLM
 
@@ -69,14 +70,12 @@ def interleaved(llm: LLM, builds: tuple[ModuleType, ModuleType], rows: int, cont
                 every: int) -> tuple[list[float], list[float], str]:
     """Seconds of ``steps`` steps of ``rows`` new tokens of one sequence after ``context`` cached ones, the builds
     taking turns every ``every`` steps; and whether one step's results are the same bits under both."""
-    eng = llm.engine
-    runner, bm = eng.runner, eng.block_manager
+    runner = llm.engine.runner
     times: tuple[list[float], list[float]] = ([], [])
     current = extension.ext
     try:
         with ExitStack() as stack:
-            table = stack.enter_context(bm.borrowed(context + rows, "a kernel A/B"))
-            items = [ForwardItem(table, context, [(7 * i + 11) % 1000 + 100 for i in range(rows)], list(range(rows)))]
+            items = scratch_step(stack, llm, context, 1, rows, "a kernel A/B")
             outputs = []
             for build in builds:
                 extension.ext = build

@@ -47,21 +47,28 @@ SHAPES = ("tree", "batch")
 LLAMACPP = "llama.cpp (n tokens of one sequence)"
 
 
+def scratch_step(stack: ExitStack, llm: LLM, context: int, seqs: int, per_seq: int, why: str) -> list[ForwardItem]:
+    """One step of ``seqs`` scratch sequences, each ``context`` cached tokens and ``per_seq`` new ones (a fixed
+    spread of token ids), borrowed from the KV pool until ``stack`` closes."""
+    bm = llm.engine.block_manager
+    tables = [stack.enter_context(bm.borrowed(context + per_seq, why)) for _ in range(seqs)]
+    return [ForwardItem(t, context, [(7 * i + 11) % 1000 + 100 for i in range(per_seq)], list(range(per_seq)))
+            for t in tables]
+
+
 def step_costs(llm: LLM, rows: list[int], context: int, shape: str, repeats: int) -> list[float]:
     """Median seconds of one forward of each row count in ``rows`` after ``context`` cached tokens. The row counts
     are timed in turn, ``repeats`` rounds after a warm-up round, so a slow spell of a shared machine lands on all
     of them alike."""
     eng = llm.engine
-    runner, bm = eng.runner, eng.block_manager
+    runner = eng.runner
     torch.set_num_threads(eng.num_threads)
     times: list[list[float]] = [[] for _ in rows]
     with ExitStack() as stack:
         steps = []
         for n in rows:
             seqs, per_seq = (1, n) if shape == "tree" else (n, 1)
-            tables = [stack.enter_context(bm.borrowed(context + per_seq, "a step-cost timing")) for _ in range(seqs)]
-            steps.append([ForwardItem(t, context, [(7 * i + 11) % 1000 + 100 for i in range(per_seq)],
-                                      list(range(per_seq))) for t in tables])
+            steps.append(scratch_step(stack, llm, context, seqs, per_seq, "a step-cost timing"))
         for rnd in range(repeats + 1):
             for i, items in enumerate(steps):
                 t0 = time.perf_counter()
