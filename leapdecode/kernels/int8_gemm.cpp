@@ -268,9 +268,11 @@ static inline void rows_x_a8panel(const QuantizedRows& xr, int64_t r0, const uin
         if constexpr (Q4) {  // int16 pair sums, widened once per block (below)
           s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xv));
           s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xv));
-        } else {
-          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(xv, q0)), ones));
-          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(xv, q1)), ones));
+        } else {  // x carries q's sign onto |q|
+          const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_sign_epi8(xv, q0));
+          const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_sign_epi8(xv, q1));
+          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
         }
       }
     }
