@@ -169,6 +169,11 @@ struct BlockHalf {
   }
 };
 
+// The pair loops below are fully unrolled (the pragmas): rolled, GCC read the block's scales and minima
+// through a stack array at a computed index (pair / 8) on every pair; unrolled, they stay in registers. Same
+// operations in the same order, so the same bits: a float32 step of the bundled model 1.35-1.43x faster at one
+// row, 1.28x at two, 1.14-1.19x at 4 and 1.17-1.23x at 16 (kernel_ab, Zen 3). Float32 panels' loops (FloatPanel)
+// measured the same either way and are left to the compiler.
 template <int KIND>
 struct BlockPanel {
   const uint8_t* records;
@@ -176,6 +181,7 @@ struct BlockPanel {
   void operator()(int64_t k0, int ho, F&& f) const {
     const BlockHalf<KIND> half(records, k0, ho);
     if (ho == 0) half.prefetch();
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       __m256 w0, w1;
       half.pair(i, w0, w1);
@@ -187,6 +193,7 @@ struct BlockPanel {
   void both(int64_t k0, F&& f) const {
     const BlockHalf<KIND> lo(records, k0, 0), hi(records, k0, 1);
     lo.prefetch();
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       __m256 a0, a1, b0, b1;
       lo.pair(i, a0, a1);
