@@ -65,14 +65,6 @@ static void rows_x_panel_any(int64_t rows, const float* x, const float* w, float
 }
 
 #ifdef HALF_PANELS
-// Q6_K weights for this many rows or more: made into a float32 panel once (K x 64 bytes, in L2) for all chunks of
-// 4 rows, instead of again per chunk (its 6-bit codes cost about twice a Q4 code to rebuild). The float32 kernel
-// sums a panel exactly as BlockPanel does, so the same bits. Q6_K, calls alternating between builds (Zen 3):
-// 12 / 16 / 64 rows 1.08-1.15x / 1.21-1.25x / 1.42-1.47x, 5-8 rows 0.95-1.04x; Q4_1 and Q4_K rebuilt per chunk
-// ran faster than from a panel (0.82-0.94x at 32-64 rows that way)
-#ifndef FLOAT_PANEL_ROWS
-#define FLOAT_PANEL_ROWS 12
-#endif
 // AVX2 (16 registers of 8 floats). The v16f kernels kept 8 rows x 16 outputs x 2 sums, which spilled to the
 // stack here: a 1-row Q4 call ran at 2.7 GB/s and its cost grew linearly with rows. These kernels take one 8-output
 // half of a panel at a time (the second pass finds the panel in L1/L2). Per lane: w * x fused into the even or
@@ -494,6 +486,14 @@ static void rows_x_qpanels_any(int64_t rows, const float* x, const uint8_t* w, i
 }
 #endif
 
+// AVX2: Q6_K weights for this many rows or more are made into a float32 panel once (K x 64 bytes, in L2) for all
+// chunks of 4 rows, instead of again per chunk (a 6-bit code costs about twice a Q4 code to rebuild). The float32
+// kernel sums a panel exactly as BlockPanel does, so the same bits. Q6_K, calls alternating between builds (Zen 3):
+// 12 / 16 / 64 rows 1.08-1.15x / 1.21-1.25x / 1.42-1.47x, 5-8 rows 0.95-1.04x; Q4_1 and Q4_K rebuilt per chunk
+// ran faster than from a panel (0.82-0.94x at 32-64 rows that way)
+#ifndef FLOAT_PANEL_ROWS
+#define FLOAT_PANEL_ROWS 12
+#endif
 template <int KIND>
 static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
   constexpr int64_t REC = record_bytes(KIND);
