@@ -216,10 +216,12 @@ static inline void fma_rows(__m256* a0, __m256* a1, __m256 w0, __m256 w1, const 
 // and streaming the chunks' sums through memory (~2x at 8-16 rows, 1.3x at 32: linear_bench, Q4_1)
 template <int R, class Panel>
 static inline void rows_x_half_panels(const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
-  // one row takes both halves in one pass: each sum in the same order, and four FMA chains in flight instead of
-  // two (a one-row float32 step 1.08-1.11x on Q4_1, 1.20-1.22x on Q4_K_M, same bits: kernel_ab on Zen 3, where
-  // one chain's FMA latency bounded the loop); two rows that way spill and ran 0.86-0.96x
-  if constexpr (R == 1) {
+  // one or two rows take both halves in one pass: each sum in the same order, and twice the FMA chains in flight
+  // (a one-row float32 step 1.08-1.11x on Q4_1, 1.20-1.22x on Q4_K_M, same bits: kernel_ab on Zen 3, where one
+  // chain's FMA latency bounded the loop). Two rows that way spilled sums and ran 0.86-0.96x until BlockPanel's
+  // pair loops were unrolled; since then: a two-row step 1.03-1.06x (bundled Q4_1), 1.14x (SmolLM2 Q4_K_M), 1.02x
+  // (1.1B Q4_K_M), and float32 panels' two-row calls 1.55-1.59x
+  if constexpr (R <= 2) {
     __m256 a0[R], a1[R], b0[R], b1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += 32)
