@@ -4,8 +4,9 @@
 // 64-byte row of it (16 outputs at one k) is one cache line. For each panel the kernel walks the rows of x in
 // chunks of up to 8 (AVX-512) or 4 (AVX2, one 8-output half of the panel at a time), keeping a chunk's partial
 // sums in vector registers (two sets, for even and odd k, to halve the FMA dependency chains). The panel (36 KB
-// at K = 576) comes from memory once and stays in L1/L2 for the later chunks, so the call stays bound by weight bandwidth well past M = 8, where a general small-M GEMM
-// costs 2-2.5x a vector-matrix product on the CPUs we measured.
+// at K = 576) comes from memory once and stays in L1/L2 for the later chunks, so the call stays bound by weight
+// bandwidth well past M = 8, where a general small-M GEMM costs 2-2.5x a vector-matrix product on the CPUs we
+// measured.
 //
 // Every output element is summed in the same order (even and odd k separately, then added) whatever M and the
 // row's chunk are, so a token's result does not depend on how many rows share the call: plain decoding and the
@@ -169,11 +170,9 @@ struct BlockHalf {
   }
 };
 
-// The pair loops below are fully unrolled (the pragmas): rolled, GCC read the block's scales and minima
-// through a stack array at a computed index (pair / 8) on every pair; unrolled, they stay in registers. Same
-// operations in the same order, so the same bits: a float32 step of the bundled model 1.35-1.43x faster at one
-// row, 1.28x at two, 1.14-1.19x at 4 and 1.17-1.23x at 16 (kernel_ab, Zen 3). Float32 panels' loops (FloatPanel)
-// measured the same either way and are left to the compiler.
+// The pair loops are unrolled (pragmas): rolled, GCC read the block's scales through a stack array at a computed
+// index on every pair. Same operations in the same order, so the same bits; a float32 step 1.35-1.43x faster at
+// one row, 1.14-1.23x at 4-16 (kernel_ab, bundled model, Zen 3). FloatPanel's loops measured the same either way.
 template <int KIND>
 struct BlockPanel {
   const uint8_t* records;
@@ -216,11 +215,9 @@ static inline void fma_rows(__m256* a0, __m256* a1, __m256 w0, __m256 w1, const 
 // and streaming the chunks' sums through memory (~2x at 8-16 rows, 1.3x at 32: linear_bench, Q4_1)
 template <int R, class Panel>
 static inline void rows_x_half_panels(const Panel& panel, const float* x, float* y, int64_t K, int64_t N) {
-  // one or two rows take both halves in one pass: each sum in the same order, and twice the FMA chains in flight
-  // (a one-row float32 step 1.08-1.11x on Q4_1, 1.20-1.22x on Q4_K_M, same bits: kernel_ab on Zen 3, where one
-  // chain's FMA latency bounded the loop). Two rows that way spilled sums and ran 0.86-0.96x until BlockPanel's
-  // pair loops were unrolled; since then: a two-row step 1.03-1.06x (bundled Q4_1), 1.14x (SmolLM2 Q4_K_M), 1.02x
-  // (1.1B Q4_K_M), and float32 panels' two-row calls 1.55-1.59x
+  // one or two rows take both halves in one pass: each sum in the same order, twice the FMA chains in flight (one
+  // row 1.08-1.22x a step, where one chain's FMA latency bounded the loop; two rows, once BlockPanel's loops were
+  // unrolled and stopped spilling, 1.02-1.14x a step and 1.55-1.59x on float32 panels; kernel_ab, Zen 3; 3 rows 0.85x)
   if constexpr (R <= 2) {
     __m256 a0[R], a1[R], b0[R], b1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
@@ -489,10 +486,9 @@ static void rows_x_qpanels_any(int64_t rows, const float* x, const uint8_t* w, i
 #endif
 
 // AVX2: Q6_K weights for this many rows or more are made into a float32 panel once (K x 64 bytes, in L2) for all
-// chunks of 4 rows, instead of again per chunk (a 6-bit code costs about twice a Q4 code to rebuild). The float32
-// kernel sums a panel exactly as BlockPanel does, so the same bits. Q6_K, calls alternating between builds (Zen 3):
-// 12 / 16 / 64 rows 1.08-1.15x / 1.21-1.25x / 1.42-1.47x, 5-8 rows 0.95-1.04x; Q4_1 and Q4_K rebuilt per chunk
-// ran faster than from a panel (0.82-0.94x at 32-64 rows that way)
+// chunks of 4 rows (a 6-bit code costs twice a Q4 code to rebuild); FloatPanel sums as BlockPanel does, so the same
+// bits. Q6_K calls (Zen 3): 12 / 16 / 64 rows 1.08-1.15x / 1.21-1.25x / 1.42-1.47x, 5-8 rows 0.95-1.04x; Q4_1 and
+// Q4_K from a panel ran 0.82-0.94x at 32-64 rows, so they are rebuilt per chunk
 #ifndef FLOAT_PANEL_ROWS
 #define FLOAT_PANEL_ROWS 12
 #endif
