@@ -519,11 +519,11 @@ static torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed) {
     for (int64_t p = begin; p < end; ++p) {
       const BlockPanel<KIND> bp{wp + p * panel_bytes};
       for (int64_t k0 = 0; k0 < K; k0 += 32)
-        for (int h = 0; h < 2; ++h)
-          bp(k0, h, [&](int64_t k, __m256 w0, __m256 w1) {
-            _mm256_storeu_ps(panel.data() + k * 16 + 8 * h, w0);
-            _mm256_storeu_ps(panel.data() + (k + 1) * 16 + 8 * h, w1);
-          });
+        bp.both(k0, [&](int64_t k, __m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+          float* row = panel.data() + k * 16;  // inputs k and k + 1, outputs 0-7 then 8-15
+          _mm256_storeu_ps(row, a0), _mm256_storeu_ps(row + 8, b0);
+          _mm256_storeu_ps(row + 16, a1), _mm256_storeu_ps(row + 24, b1);
+        });
       panel_rows(M, FloatPanel{panel.data(), K}, xp, yp + p * 16, K, N);
     }
 #else
