@@ -8,7 +8,8 @@ is loaded once, and whole decode steps run with ``extension.ext`` set to one bui
 changes (10-50%), while steps interleaved in one process see the same machine; this is how the kernels' A/Bs in
 docs/bench were measured. Each row count's step is also run once per build and its logits and hidden rows compared:
 a kernel change that should keep the bits shows ``identical``. An A/A run (the same commit as the baseline) shows
-the resolution: on a 2-vCPU VM, 300 steps read 0.92-1.005x, so a single run's few percent is noise.
+the resolution: on a 2-vCPU VM, 300 steps read 0.92-1.005x in the plain medians' ratio and 0.998-1.002x in the
+per-cycle median, so read the per-cycle column; a few percent in the plain ratio is noise.
 
 Both builds read the weights as this checkout packs them, so a baseline whose record layout differs is not
 comparable (its logits differ, and the tool says so). A baseline from before this tool (2026-12-07) registers its
