@@ -235,14 +235,10 @@ def write_plot(path: Path, title: str, rows: list[Row], step_costs: dict[str, li
     plt.close(fig)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    check_report_args(args)
-    if args.plot:
-        pyplot()  # a missing matplotlib fails before the runs, not after them
-    if args.report:
-        return cmd_report(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    overrides = json.loads(args.method_config) if args.method_config else {}
+def bench_methods(spec: str, overrides: dict) -> list[str]:
+    """The method labels of ``--methods`` (``none`` first, added if left out); a label that is not a method must
+    be configured in full by ``--method-config``."""
+    methods = [m.strip() for m in spec.split(",") if m.strip()]
     for m in methods:
         # a label of one's own names a configuration given in full by --method-config (e.g. several blockwise k)
         if m not in METHOD_DEFAULTS and "method" not in overrides.get(m, {}):
@@ -251,43 +247,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              '"num_speculative_tokens": 4}}\'')
     if "none" not in methods:
         methods.insert(0, "none")
-    compare = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
-    for c in compare:
-        if c not in ("hf", "llama.cpp"):
-            raise ValueError(f"--compare takes hf and/or llama.cpp, got {c!r}")
-    prompts = load_prompt_set(args.prompts, args.num_prompts)
-    command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
-        else args.command_line
-    kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
-    t_load = time.perf_counter()
-    if args.tensor_parallel_size > 1 and (methods != ["none"] or len(kernels) > 1):
-        raise ValueError("--tensor-parallel-size > 1 benchmarks plain decoding with one kernel (--methods none): "
-                         "the other rows share the first engine's weights, which live in its worker processes")
-    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
-               linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
-    load_s = time.perf_counter() - t_load
-    eng = base.engine
-    tok = eng.tokenizer
-    if args.raw:
-        prompts_ids = [tok.encode(p) for p in prompts]
+    return methods
+
+
+def prompt_token_ids(llm: LLM, prompts: list[str], raw: bool, max_prompt_tokens: int | None) -> list[list[int]]:
+    """Each prompt as one user turn through the model's chat template (``raw``: plain text), cut to its last
+    ``max_prompt_tokens`` tokens."""
+    tok = llm.engine.tokenizer
+    if raw:
+        ids = [tok.encode(p) for p in prompts]
     elif not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template (a base model's checkpoint often has none): run with --raw "
                          "to send the prompts as plain text")
     else:
-        prompts_ids = [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    if args.max_prompt_tokens:
-        prompts_ids = [ids[-args.max_prompt_tokens:] for ids in prompts_ids]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
-    peak_mb = peak_rss_mb()  # load + one full request, before the bandwidth probe's buffer
-    # the bandwidth probe streams 512 MB, which evicts the Q4 weights (112 MB for SmolLM2) from a large L3: probe
-    # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
-    # caches, first-touch page faults of the KV pool or the allocator's growth
-    bw = measure_bandwidth_gbps(eng.device)
-    warm_up(base, prompts_ids[0], params)
-    wbytes = weight_bytes_per_step(eng.model)
-    header = [
-        f"# leapdecode bench — {args.prompts} ({len(prompts)} prompts, {args.max_tokens} max new tokens, greedy)",
+        ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return [x[-max_prompt_tokens:] for x in ids] if max_prompt_tokens else ids
+
+
+def bench_header(args: argparse.Namespace, num_prompts: int, command: str, base: LLM, wbytes: int, bw: float,
+                 load: tuple[float, float]) -> list[str]:
+    """The lines above the table: the command, the machine, the model, the bandwidth, load time and memory."""
+    eng = base.engine
+    load_s, peak_mb = load
+    return [
+        f"# leapdecode bench — {args.prompts} ({num_prompts} prompts, {args.max_tokens} max new tokens, greedy)",
         "",
         f"- command: `{command}`",
         f"- machine: {machine_info()}",
@@ -298,18 +281,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{eng.kv_cache.nbytes / 2**20:.0f} MiB)",
         "",
     ]
-    print("\n".join(header), flush=True)
-    rows: list[Row] = []
-    engines: list[tuple[str, str, object]] = []  # (label, kernel tag, LLM)
-    kernel_llms: dict[str, object] = {}  # kernel tag -> its plain engine
+
+
+def external_rows(rows: list[Row], compare: list[str], base: LLM, prompts_ids: list[list[int]],
+                  args: argparse.Namespace, ceiling_context: int) -> list[tuple[int, float]]:
+    """--compare: HF transformers' and llama.cpp's batch-1 rows, appended to ``rows``; returns llama.cpp's step
+    costs by rows at ``ceiling_context`` cached tokens (none when 0 or not compared)."""
+    eng = base.engine
+    eos = [] if args.ignore_eos else list(eng.eos_token_ids)
+    if "hf" in compare:
+        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device, base.config.torch_dtype))
+    if "llama.cpp" in compare:
+        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,
+                         ceiling_context, what="llama.cpp")
+        if r:
+            rows.append(r[0])
+            return r[1]
+    return []
+
+
+def method_engines(base: LLM, args: argparse.Namespace, kernels: list[str], methods: list[str], overrides: dict,
+                   warm: tuple[list[int], SamplingParams]) -> tuple[list[tuple[str, str, LLM]], dict[str, LLM]]:
+    """(label, kernel tag, LLM) for every kernel and method, and each kernel's plain engine by tag. Every further
+    kernel gets its own engine (its weights are packed differently); its rows are labelled and checked for identity
+    against its own ``none``, their speedup is against the first kernel's ``none``."""
+    engines: list[tuple[str, str, LLM]] = []
+    kernel_llms: dict[str, LLM] = {}
     for kernel in kernels:
-        # every further kernel gets its own engine (its weights are packed differently); its rows are labelled
-        # and checked for identity against its own `none`, their speedup is against the first kernel's `none`
         kbase = base if kernel == kernels[0] else LLM(model=args.model, dtype=args.dtype, device=args.device,
-                                                      max_num_seqs=max(64, len(prompts)), linear_kernel=kernel,
-                                                      num_threads=args.threads)
+                                                      max_num_seqs=base.engine.config.max_num_seqs,
+                                                      linear_kernel=kernel, num_threads=args.threads)
         if kbase is not base:
-            warm_up(kbase, prompts_ids[0], params)
+            warm_up(kbase, *warm)
         tag = "" if kernel == kernels[0] else kernel
         kernel_llms[tag] = kbase
         for m in methods:
@@ -318,27 +321,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 cfg = {**cfg, **overrides.get(m, {})}
             llm = kbase if cfg is None else LLM.from_engine_of(kbase, speculative_config=cfg)
             engines.append((f"{m} [{tag}]" if tag else m, tag, llm))
-    with startup_heap_frozen():  # no full collection of the start-up heap inside a timed request (gc_heap.py)
-        results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
-                                 batched=not args.no_batched)
-    for (_, tag, _), (r1, rb) in zip(engines, results):
-        for r in (r1, rb):
-            if r:
-                r.kernel = tag
-                rows.append(r)
-    eos = [] if args.ignore_eos else list(eng.eos_token_ids)
-    first_none = next(r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel)
-    first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
-    llamacpp_costs: list[tuple[int, float]] = []
-    if "hf" in compare:
-        rows.append(run_hf(eng.model_path, prompts_ids, args.max_tokens, eos, eng.device, base.config.torch_dtype))
-    if "llama.cpp" in compare:
-        context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
-        r = run_isolated(run_llamacpp, eng.model_path, prompts_ids, args.max_tokens, eos, args.threads,
-                         context if args.ceiling else 0, what="llama.cpp")
-        if r:
-            rows.append(r[0])
-            llamacpp_costs = r[1]
+    return engines, kernel_llms
+
+
+def score_rows(rows: list[Row], wbytes: int) -> None:
+    """Each row's speedup and token identity against its ``none`` (see the notes under the table), and at batch 1
+    its weight bytes streamed per second."""
     plain = {(r.kernel, r.batch): r for r in rows if r.system == "leapdecode" and r.method.split(" [")[0] == "none"}
     ref = {b: r for (k, b), r in plain.items() if k == ""}
     for r in rows:
@@ -353,23 +341,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 r.identical = f"{same}/{len(r.token_ids)}"
         if r.batch == 1 and r.system == "leapdecode":
             r.gb_per_s = wbytes / (r.tpot_ms / 1e3) / 1e9 / r.mean_accepted
-    if args.drift or any(r.num_lossy_tokens for r in rows):  # every lossy run reports its drift
-        add_drift(rows, eng, prompts_ids)
+
+
+def ceiling_costs(kernel_llms: dict[str, LLM], rows: list[Row], context: int) -> dict[str, list[tuple[int, float]]]:
+    """--ceiling: each kernel's target step cost by verified rows at ``context`` cached tokens, measured after the
+    runs (so the caches and the allocator are as warm as they were for the rows), and its rows' ceilings."""
     step_costs: dict[str, list[tuple[int, float]]] = {}
-    if args.ceiling:  # after the runs, so the caches and the allocator are as warm as they were for the rows
-        context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
-        for tag, kllm in kernel_llms.items():
-            costs = target_step_costs(kllm, context)
-            add_ceiling([r for r in rows if r.kernel == tag], costs)
-            step_costs[tag] = costs.points
-            print(f"target step time by verified rows{f' [{tag}]' if tag else ''} at {context} cached tokens: "
-                  + ", ".join(f"{n}: {t * 1e3:.2f} ms ({t / costs(1):.2f}x)" for n, t in costs.points), flush=True)
-        if llamacpp_costs:
-            step_costs["llama.cpp"] = llamacpp_costs
-    table = format_table(rows)
-    if args.prefix_reuse:
-        table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
-        table += run_prefix_reuse(base, prompts_ids, "Second question?")
+    for tag, kllm in kernel_llms.items():
+        costs = target_step_costs(kllm, context)
+        add_ceiling([r for r in rows if r.kernel == tag], costs)
+        step_costs[tag] = costs.points
+        print(f"target step time by verified rows{f' [{tag}]' if tag else ''} at {context} cached tokens: "
+              + ", ".join(f"{n}: {t * 1e3:.2f} ms ({t / costs(1):.2f}x)" for n, t in costs.points), flush=True)
+    return step_costs
+
+
+def bench_notes(rows: list[Row], step_costs: dict[str, list[tuple[int, float]]], explain: bool) -> list[str]:
+    """What the table's columns mean, as printed under it."""
     notes = [
         "",
         "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batch-1 requests are "
@@ -395,22 +383,88 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      "time measured after the runs: " + "; ".join(
                          (f"[{tag}] " if tag else "") + ", ".join(f"{n} rows {t * 1e3:.2f} ms" for n, t in pts)
                          for tag, pts in step_costs.items()) + ".")
-    if args.explain:
+    if explain:
         notes += ["", "Routes of the speculative `auto` router (--explain):", "", *explain_rows(rows)]
+    return notes
+
+
+def write_outputs(out: Path, text: str, meta: dict, rows: list[Row]) -> None:
+    """OUT.md (the header, table and notes) and OUT.json (``meta`` and the rows without their tokens)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({
+        **meta, "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows]}, indent=2))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    check_report_args(args)
+    if args.plot:
+        pyplot()  # a missing matplotlib fails before the runs, not after them
+    if args.report:
+        return cmd_report(args)
+    overrides = json.loads(args.method_config) if args.method_config else {}
+    methods = bench_methods(args.methods, overrides)
+    compare = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
+    for c in compare:
+        if c not in ("hf", "llama.cpp"):
+            raise ValueError(f"--compare takes hf and/or llama.cpp, got {c!r}")
+    prompts = load_prompt_set(args.prompts, args.num_prompts)
+    command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
+        else args.command_line
+    kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
+    t_load = time.perf_counter()
+    if args.tensor_parallel_size > 1 and (methods != ["none"] or len(kernels) > 1):
+        raise ValueError("--tensor-parallel-size > 1 benchmarks plain decoding with one kernel (--methods none): "
+                         "the other rows share the first engine's weights, which live in its worker processes")
+    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
+               linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
+    load_s = time.perf_counter() - t_load
+    eng = base.engine
+    prompts_ids = prompt_token_ids(base, prompts, args.raw, args.max_prompt_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
+    peak_mb = peak_rss_mb()  # load + one full request, before the bandwidth probe's buffer
+    # the bandwidth probe streams 512 MB, which evicts the Q4 weights (112 MB for SmolLM2) from a large L3: probe
+    # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
+    # caches, first-touch page faults of the KV pool or the allocator's growth
+    bw = measure_bandwidth_gbps(eng.device)
+    warm_up(base, prompts_ids[0], params)
+    wbytes = weight_bytes_per_step(eng.model)
+    header = bench_header(args, len(prompts), command, base, wbytes, bw, (load_s, peak_mb))
+    print("\n".join(header), flush=True)
+    engines, kernel_llms = method_engines(base, args, kernels, methods, overrides, (prompts_ids[0], params))
+    with startup_heap_frozen():  # no full collection of the start-up heap inside a timed request (gc_heap.py)
+        results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
+                                 batched=not args.no_batched)
+    rows: list[Row] = []
+    for (_, tag, _), (r1, rb) in zip(engines, results):
+        for r in (r1, rb):
+            if r:
+                r.kernel = tag
+                rows.append(r)
+    first_none = next(r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel)
+    first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
+    context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
+    llamacpp_costs = external_rows(rows, compare, base, prompts_ids, args, context if args.ceiling else 0)
+    score_rows(rows, wbytes)
+    if args.drift or any(r.num_lossy_tokens for r in rows):  # every lossy run reports its drift
+        add_drift(rows, eng, prompts_ids)
+    step_costs = ceiling_costs(kernel_llms, rows, context) if args.ceiling else {}
+    if args.ceiling and llamacpp_costs:
+        step_costs["llama.cpp"] = llamacpp_costs
+    table = format_table(rows)
+    if args.prefix_reuse:
+        table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
+        table += run_prefix_reuse(base, prompts_ids, "Second question?")
+    notes = bench_notes(rows, step_costs, args.explain)
     print(table)
     print("\n".join(notes))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        md = "\n".join(header) + "\n" + table + "\n" + "\n".join(notes) + "\n"
-        out.with_suffix(".md").write_text(md)
-        out.with_suffix(".json").write_text(json.dumps({
+        write_outputs(Path(args.out), "\n".join(header) + "\n" + table + "\n" + "\n".join(notes) + "\n", {
             "command": command, "machine": machine_info(), "bandwidth_gbps": bw, "weight_bytes": wbytes,
             "prompts": args.prompts, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-            "step_costs_s": step_costs,
-            "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows],
-        }, indent=2))
-        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+            "step_costs_s": step_costs}, rows)
     if args.plot:
         curves = {(k if k == "llama.cpp" else f"leapdecode {k}".strip()): v for k, v in step_costs.items()}
         write_plot(Path(args.plot), Path(str(eng.model_path)).name, rows, curves)
