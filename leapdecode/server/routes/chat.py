@@ -97,23 +97,100 @@ def delta_content(delta: Delta, tool: ToolConstraint) -> tuple[dict[str, Any], s
     return content, reason
 
 
-def add_routes(app: FastAPI, serving: Serving) -> None:
-    name = serving.name
-    tokenizer = serving.engine.tokenizer
-    formatter = LogprobFormatter(tokenizer)
-    template = getattr(tokenizer, "chat_template", None)
-    parser_name = serving.chat_output.tool_parser(template)
-    reasoning = serving.chat_output.reasoning(template)
-    answer_text = AnswerText(tokenizer, make_tool_parser(parser_name) if parser_name else None)
+class ChatReply:
+    """One request's answer: its streamed chunks or its whole body, with its output parser (None: the text is the
+    content as it is), its tool constraint and what each streamed choice has shown so far."""
 
-    async def encode(req: P.ChatCompletionRequest, tool: ChosenTool) -> list[int]:
+    def __init__(self, serving: Serving, req: P.ChatCompletionRequest, route: ChatRoute,
+                 parser: ChatOutputParser | None, tool: ToolConstraint, hold: int) -> None:
+        self.serving, self.req, self.route, self.parser, self.tool, self.hold = serving, req, route, parser, tool, hold
+        self.rid, self.ts = P.random_id("chatcmpl"), P.now_s()
+        self.outputs: dict[int, ChatOutputStream] = {}
+
+    def logprobs(self, c: ChoiceSnapshot, start: int) -> ChatLogprobs | None:
+        if not self.req.logprobs or c.logprobs is None:
+            return None
+        return self.route.formatter.chat(c.token_ids[start:], c.logprobs[start:], self.req.top_logprobs or 0)
+
+    def parsed_delta(self, delta: Delta) -> tuple[dict[str, Any], str | None] | None:
+        """A streamed chunk's delta with the answer split by the output parser."""
+        c = delta.choice
+        if delta.first or c is None:
+            return {"role": "assistant", "content": ""}, None
+        assert self.parser is not None
+        stream = self.outputs.setdefault(delta.index, ChatOutputStream(self.parser, self.hold))
+        parts = stream.update(self.route.answer_text(c), c.finished)
+        reason = ("tool_calls" if stream.num_calls else c.finish_reason) if c.finished else None
+        if not parts and reason is None:
+            return None
+        content: dict[str, Any] = {}
+        if parts.reasoning:
+            content["reasoning_content"] = parts.reasoning
+        if parts.content:
+            content["content"] = parts.content
+        if parts.calls:
+            content["tool_calls"] = [
+                P.ToolCallDelta(index=i, **tool_call(call.name, call.arguments).model_dump()).model_dump()
+                for i, call in parts.calls
+            ]
+        return content, reason
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        got = self.parsed_delta(delta) if self.parser is not None else delta_content(delta, self.tool)
+        if got is None:
+            return None
+        content, reason = got
+        c = delta.choice
+        lp = self.logprobs(c, 0 if self.tool is not None else delta.tokens_from) if c is not None else None
+        d = P.ChatCompletionChunk(
+            id=self.rid,
+            created=self.ts,
+            model=self.serving.name,
+            choices=[P.ChatChunkChoice(index=delta.index, delta=P.ChatDelta(), logprobs=lp, finish_reason=reason)],
+        ).model_dump()
+        d["choices"][0]["delta"] = content
+        return d
+
+    def usage_chunk(self, usage: P.Usage) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(id=self.rid, created=self.ts, model=self.serving.name, choices=[], usage=usage)
+
+    def body(self, finals: list[StreamOutput]) -> P.ChatCompletionResponse:
+        choices = []
+        for c in finals[0].choices:
+            if self.parser is not None:
+                message = parsed_answer(self.parser, self.route.answer_text(c))
+                reason = "tool_calls" if message.tool_calls else c.finish_reason
+            else:
+                text, calls, reason = answer(c, self.tool)
+                message = P.ChatResponseMessage(content=text, tool_calls=calls)
+            lp = self.logprobs(c, 0)
+            choices.append(P.ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason))
+        return P.ChatCompletionResponse(
+            id=self.rid, created=self.ts, model=self.serving.name, usage=self.serving.usage(finals), choices=choices
+        )
+
+
+class ChatRoute:
+    """What every chat request of one server shares: the tokenizer, and the tool-call and reasoning syntax its chat
+    template implies."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.tokenizer = serving.engine.tokenizer
+        self.formatter = LogprobFormatter(self.tokenizer)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.parser_name = serving.chat_output.tool_parser(template)
+        self.reasoning = serving.chat_output.reasoning(template)
+        self.answer_text = AnswerText(self.tokenizer, make_tool_parser(self.parser_name) if self.parser_name else None)
+
+    async def encode(self, req: P.ChatCompletionRequest, tool: ChosenTool) -> list[int]:
         conversation = req.conversation()
         shown = req.tools if req.tools and tool is not None else None  # "none": the model is not shown them
         tools = [t.model_dump(exclude_none=True) for t in shown] if shown else None
         try:
             # in a worker thread: the tokenizer releases the GIL, so the event loop keeps streaming meanwhile
             return await asyncio.to_thread(
-                serving.llm.apply_chat_template, conversation, tools, req.chat_template_kwargs,
+                self.serving.llm.apply_chat_template, conversation, tools, req.chat_template_kwargs,
                 req.escape_special_tokens,
             )
         except Exception as e:  # template errors (e.g. role order rules) are the caller's input
@@ -121,9 +198,9 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             param = "chat_template_kwargs" if "template variables" in str(e) else "messages"
             raise P.APIError(f"could not apply the chat template: {why}", param=param) from None
 
-    def output_parser(tool: ChosenTool, tokens: list[int]) -> ChatOutputParser | None:
+    def output_parser(self, tool: ChosenTool, tokens: list[int]) -> ChatOutputParser | None:
         """The parser of the answer's text (None: the text is the content as it is)."""
-        if tool == "auto" and parser_name is None:
+        if tool == "auto" and self.parser_name is None:
             raise P.APIError(
                 'tool_choice "auto" (the default with tools) lets the model call tools in its own syntax, but this '
                 "model's chat template shows no tool-call syntax; start the server with --tool-call-parser "
@@ -131,23 +208,23 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
                 '"required", a named function {"type": "function", "function": {"name": ...}} or "none"',
                 param="tool_choice",
             )
-        tools = make_tool_parser(parser_name) if tool == "auto" and parser_name else None
-        if tool not in (None, "auto") or (tools is None and not reasoning):
+        tools = make_tool_parser(self.parser_name) if tool == "auto" and self.parser_name else None
+        if tool not in (None, "auto") or (tools is None and not self.reasoning):
             return None
-        opened = reasoning and tokenizer.decode(tokens[-THINK_PROMPT_TOKENS:]).rstrip().endswith(THINK_START)
-        return ChatOutputParser(tools, reasoning, opened)
+        opened = self.reasoning and \
+            self.tokenizer.decode(tokens[-THINK_PROMPT_TOKENS:]).rstrip().endswith(THINK_START)
+        return ChatOutputParser(tools, self.reasoning, opened)
 
-    @route(app, "POST", "/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse,
-           COMPLETION_ERRORS, streams=True)
-    async def chat_completions(request: Request) -> Any:
+    async def chat_completions(self, request: Request) -> Any:
+        serving = self.serving
         req: P.ChatCompletionRequest = await serving.parse(request, P.ChatCompletionRequest)
         serving.check_model(req.model)
         req.check_supported()
         chosen = req.tool_constraint()
         tool: ToolConstraint = None if chosen == "auto" else chosen
         with serving.admission() as admitted:  # the queue cap, before tokenizing and compiling
-            tokens = await encode(req, chosen)
-            parser = output_parser(chosen, tokens)
+            tokens = await self.encode(req, chosen)
+            parser = self.output_parser(chosen, tokens)
             extra: dict[str, Any] = {"logprobs": req.num_logprobs()}
             if tool is not None:
                 try:
@@ -156,77 +233,13 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
                     raise P.APIError(str(e), param="tools") from None
             params = serving.sampling_params(req, len(tokens), "messages", **extra)
             hold = max((len(stop) for stop in params.stop_list), default=1) - 1
-            outputs: dict[int, ChatOutputStream] = {}
             streams = await serving.submit_all([(tokens, None)], [params], "messages", admitted)
-        rid, ts = P.random_id("chatcmpl"), P.now_s()
-        n = req.n or 1
+        reply = ChatReply(serving, req, self, parser, tool, hold)
+        return await serving.respond(request, streams, req.n or 1, bool(req.stream), req.include_usage(),
+                                     reply.chunk, reply.usage_chunk, reply.body)
 
-        def logprobs(c: ChoiceSnapshot, start: int) -> ChatLogprobs | None:
-            if not req.logprobs or c.logprobs is None:
-                return None
-            return formatter.chat(c.token_ids[start:], c.logprobs[start:], req.top_logprobs or 0)
 
-        def parsed_delta(delta: Delta) -> tuple[dict[str, Any], str | None] | None:
-            """A streamed chunk's delta with the answer split by ``parser``."""
-            c = delta.choice
-            if delta.first or c is None:
-                return {"role": "assistant", "content": ""}, None
-            assert parser is not None
-            stream = outputs.setdefault(delta.index, ChatOutputStream(parser, hold))
-            parts = stream.update(answer_text(c), c.finished)
-            reason = ("tool_calls" if stream.num_calls else c.finish_reason) if c.finished else None
-            if not parts and reason is None:
-                return None
-            content: dict[str, Any] = {}
-            if parts.reasoning:
-                content["reasoning_content"] = parts.reasoning
-            if parts.content:
-                content["content"] = parts.content
-            if parts.calls:
-                content["tool_calls"] = [
-                    P.ToolCallDelta(index=i, **tool_call(call.name, call.arguments).model_dump()).model_dump()
-                    for i, call in parts.calls
-                ]
-            return content, reason
-
-        def chunk(delta: Delta) -> dict[str, Any] | None:
-            got = parsed_delta(delta) if parser is not None else delta_content(delta, tool)
-            if got is None:
-                return None
-            content, reason = got
-            c = delta.choice
-            lp = logprobs(c, 0 if tool is not None else delta.tokens_from) if c is not None else None
-            d = P.ChatCompletionChunk(
-                id=rid,
-                created=ts,
-                model=name,
-                choices=[P.ChatChunkChoice(index=delta.index, delta=P.ChatDelta(), logprobs=lp, finish_reason=reason)],
-            ).model_dump()
-            d["choices"][0]["delta"] = content
-            return d
-
-        def body(finals: list[StreamOutput]) -> P.ChatCompletionResponse:
-            choices = []
-            for c in finals[0].choices:
-                if parser is not None:
-                    message = parsed_answer(parser, answer_text(c))
-                    reason = "tool_calls" if message.tool_calls else c.finish_reason
-                else:
-                    text, calls, reason = answer(c, tool)
-                    message = P.ChatResponseMessage(content=text, tool_calls=calls)
-                lp = logprobs(c, 0)
-                choices.append(P.ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=reason))
-            return P.ChatCompletionResponse(
-                id=rid, created=ts, model=name, usage=serving.usage(finals), choices=choices
-            )
-
-        return await serving.respond(
-            request,
-            streams,
-            n,
-            bool(req.stream),
-            req.include_usage(),
-            chunk,
-            lambda u: P.ChatCompletionChunk(id=rid, created=ts, model=name, choices=[], usage=u),
-            body,
-        )
+def add_routes(app: FastAPI, serving: Serving) -> None:
+    chat = ChatRoute(serving)
+    route(app, "POST", "/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse,
+          COMPLETION_ERRORS, streams=True)(chat.chat_completions)
