@@ -40,6 +40,51 @@ from leapdecode.server.stats_log import StatsLogger
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (probes and scrapers)
 
 
+# the request and response bodies /openapi.json declares as components, in the mode each is read in
+COMPONENT_SCHEMAS = (
+    [(m, "validation") for m in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeRequest)]
+    + [(P.DetokenizeRequest, "validation"), (EmbeddingRequest, "validation"), (ResponsesRequest, "validation")]
+    + [(m, "serialization") for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)]
+    + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
+    + [(m, "serialization") for m in (EmbeddingResponse, ResponseObject, ResponseStreamEvent)]
+    + [(m, "serialization") for m in (PropsResponse, SlotsResponse)]
+    + [(P.ErrorResponse, "serialization")]
+)
+
+
+def check_app_args(embedding_pooling: str, api_key: str | None, max_request_bytes: int,
+                   body_read_timeout_s: float | None, request_timeout_s: float | None) -> None:
+    """build_app's settings that no type says is wrong, refused before anything starts."""
+    if embedding_pooling not in POOLINGS:
+        raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (pass None for no key)")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    for name, value in (("body_read_timeout_s", body_read_timeout_s), ("request_timeout_s", request_timeout_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (or None for no limit), got {value}")
+
+
+def add_middleware(app: FastAPI, metrics: ServerMetrics, api_key: str | None,
+                   allowed_origins: list[str] | None) -> None:
+    """After the routes (the answer counter knows their paths). The last added runs first: count every answer,
+    then CORS (a preflight carries no key), ids, the key."""
+    endpoints = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(RequestId)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
+    app.add_middleware(StatusCounter, counter=metrics.requests, endpoints=endpoints)
+
+
 def build_app(
     llm_or_engine: LLM | LLMEngine,
     model_name: str | None = None,
@@ -66,15 +111,7 @@ def build_app(
     generating that long after the engine accepted it is stopped (its KV freed) and answered 408 (streamed: an
     error event); None: no limit. ``share_output``: the ``SamplingParams.share_output`` of requests that do not set
     it (False: their outputs never join what other requests draft from, the suffix method's global tree)."""
-    if embedding_pooling not in POOLINGS:
-        raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
-    if api_key is not None and not api_key:
-        raise ValueError("api_key must not be empty (pass None for no key)")
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    for name, value in (("body_read_timeout_s", body_read_timeout_s), ("request_timeout_s", request_timeout_s)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 (or None for no limit), got {value}")
+    check_app_args(embedding_pooling, api_key, max_request_bytes, body_read_timeout_s, request_timeout_s)
     llm = as_llm(llm_or_engine)
     name = model_name or default_model_name(llm.engine)
     metrics = ServerMetrics(name)
@@ -111,31 +148,6 @@ def build_app(
     for module in (admin, chat, completions, tokens, props, responses):
         module.add_routes(app, serving)
     embeddings.add_routes(app, serving, embedding_pooling)
-    endpoints = frozenset(r.path for r in app.routes if isinstance(r, APIRoute))
-    # the last added runs first: count every answer, then CORS (a preflight carries no key), ids, the key
-    if api_key is not None:
-        app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=OPEN_PATHS)
-    app.add_middleware(RequestId)
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=allowed_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-            expose_headers=["X-Request-Id"],
-        )
-    app.add_middleware(StatusCounter, counter=metrics.requests, endpoints=endpoints)
-    install_component_schemas(
-        app,
-        [(m, "validation") for m in (P.ChatCompletionRequest, P.CompletionRequest, P.TokenizeRequest)]
-        + [(P.DetokenizeRequest, "validation"), (EmbeddingRequest, "validation"), (ResponsesRequest, "validation")]
-        + [
-            (m, "serialization")
-            for m in (P.ChatCompletionResponse, P.CompletionResponse, P.ModelList, P.TokenizeResponse)
-        ]
-        + [(m, "serialization") for m in (P.DetokenizeResponse, P.TokenizerInfoResponse, P.VersionResponse)]
-        + [(m, "serialization") for m in (EmbeddingResponse, ResponseObject, ResponseStreamEvent)]
-        + [(m, "serialization") for m in (PropsResponse, SlotsResponse)]
-        + [(P.ErrorResponse, "serialization")],
-    )
+    add_middleware(app, metrics, api_key, allowed_origins)
+    install_component_schemas(app, COMPONENT_SCHEMAS)
     return app
