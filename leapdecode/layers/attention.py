@@ -340,6 +340,47 @@ def paged_attention(
     return _paged_attention(q, k, v, k_cache, v_cache, meta, scale, use_kernel)
 
 
+def _group_attention(q: torch.Tensor, g: AttentionGroup, k_cache: KVPlane, v_cache: KVPlane, scale: float,
+                     hkv: int) -> torch.Tensor:
+    """One group's attention through torch ([batch, q_len, heads, d]): its queries and K/V gathered from the
+    cache, then SDPA (or split-KV for long reads)."""
+    heads, d = q.shape[1], q.shape[2]
+    group = heads // hkv
+    g.fill()
+    if g.q_start is not None:
+        qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
+    else:
+        qg = q.index_select(0, g.q_rows).view(g.batch, g.q_len, heads, d)
+    if g.split is not None and g.split.chunked_read:
+        kg = vg = None  # split_kv reads the cache chunk by chunk
+    elif g.kv_start is not None:
+        kg = read_kv_range(k_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
+        vg = read_kv_range(v_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
+    else:
+        kg = read_kv_slots(k_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
+        vg = read_kv_slots(v_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
+    if kg is not None:
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, K, D]
+    if g.fold:
+        # [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]: query heads sharing a KV head become extra query rows
+        qf = qg.view(g.batch, g.q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
+            g.batch, hkv, group * g.q_len, d
+        )
+        if g.split is not None:
+            o = split_kv.split_attention(qf, kg, vg, k_cache, v_cache, g.split, scale)
+        else:
+            o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=g.mask, scale=scale)
+        o = o.view(g.batch, hkv, group, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(g.batch, g.q_len, heads, d)
+    else:
+        if group > 1:
+            kg = kg.repeat_interleave(group, dim=1)
+            vg = vg.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale
+        ).transpose(1, 2)
+    return o
+
+
 def _paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -351,7 +392,6 @@ def _paged_attention(
     use_kernel: bool = False,
 ) -> torch.Tensor:
     heads, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    group = heads // hkv
     groups = meta.groups
     kernel_rows = None
     float_rows = (isinstance(k_cache, torch.Tensor) and k_cache.dtype in ROWS_KERNEL_DTYPES
@@ -385,38 +425,7 @@ def _paged_attention(
     else:
         out = torch.empty_like(q)
     for g in groups:
-        g.fill()
-        if g.q_start is not None:
-            qg = q[g.q_start : g.q_start + g.q_len].unsqueeze(0)
-        else:
-            qg = q.index_select(0, g.q_rows).view(g.batch, g.q_len, heads, d)
-        if g.split is not None and g.split.chunked_read:
-            kg = vg = None  # split_kv reads the cache chunk by chunk
-        elif g.kv_start is not None:
-            kg = read_kv_range(k_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
-            vg = read_kv_range(v_cache, g.kv_start, g.kv_len, q.dtype).unsqueeze(0)
-        else:
-            kg = read_kv_slots(k_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
-            vg = read_kv_slots(v_cache, g.kv_slots, q.dtype).view(g.batch, g.kv_len, hkv, d)
-        if kg is not None:
-            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, K, D]
-        if g.fold:
-            # [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]: query heads sharing a KV head become extra query rows
-            qf = qg.view(g.batch, g.q_len, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
-                g.batch, hkv, group * g.q_len, d
-            )
-            if g.split is not None:
-                o = split_kv.split_attention(qf, kg, vg, k_cache, v_cache, g.split, scale)
-            else:
-                o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=g.mask, scale=scale)
-            o = o.view(g.batch, hkv, group, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(g.batch, g.q_len, heads, d)
-        else:
-            if group > 1:
-                kg = kg.repeat_interleave(group, dim=1)
-                vg = vg.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale
-            ).transpose(1, 2)
+        o = _group_attention(q, g, k_cache, v_cache, scale, hkv)
         if out is None:
             return o.reshape(g.q_len, heads, d)
         if g.q_start is not None:
