@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from leapdecode.config import EngineConfig
 from leapdecode.engine.llm_engine import LLMEngine
 from leapdecode.models.hub import model_ref
-from leapdecode.models.loader import chat_token_ids
+from leapdecode.models.tokenizer import chat_token_ids
 from leapdecode.outputs import RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.speculative.registry import parse_config

@@ -38,7 +38,8 @@ TINY_DEFAULTS = dict(
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The bundled model's tokenizer (with chat template), saved as HF files once per session;
     ``$LEAPDECODE_TOKENIZER_DIR`` instead where the model is not installed (scripts/gpu_check.sh on a GPU machine)."""
-    from leapdecode.models.loader import bundled_model_path, load_tokenizer
+    from leapdecode.models.loader import bundled_model_path
+    from leapdecode.models.tokenizer import load_tokenizer
 
     if os.environ.get("LEAPDECODE_TOKENIZER_DIR"):
         return Path(os.environ["LEAPDECODE_TOKENIZER_DIR"])

@@ -19,7 +19,7 @@ import torch
 from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
-from leapdecode.models.loader import chat_token_ids
+from leapdecode.models.tokenizer import chat_token_ids
 
 CHAT_TURNS: tuple[str, ...] = (
     "I keep forgetting to water my plants. Can you suggest a simple routine that works for a busy week?",

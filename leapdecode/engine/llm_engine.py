@@ -33,8 +33,9 @@ from leapdecode.engine.worker import AbortRequest, AddRequest, SetSpeculative
 from leapdecode.layers import small_gemm
 from leapdecode.layers.kv_quant import resolve_kv_dtype
 from leapdecode.models import kernel_plan
-from leapdecode.models.loader import load_model, load_tokenizer, resolve_model, resolve_tokenizer
+from leapdecode.models.loader import load_model, resolve_model, resolve_tokenizer
 from leapdecode.models.stops import template_end_ids, unique
+from leapdecode.models.tokenizer import load_tokenizer
 from leapdecode.outputs import PositionLogprobs, RequestOutput
 from leapdecode.sampling_params import SamplingParams
 from leapdecode.structured import CompiledGrammar, StructuredOutputBackend, make_backend

