@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 Path = tuple[int, ...]
@@ -141,18 +142,21 @@ def depths_of(parents: Sequence[int]) -> list[int]:
 def tree_attention_mask(parents: Sequence[int], num_prefix: int = 1) -> torch.Tensor:
     """Bool ``[num_prefix + n, num_prefix + n]`` among the step's new tokens: ``num_prefix`` ordinary tokens
     (causal among themselves; the last one is the tree's root) followed by the n nodes, each of which sees all
-    prefix tokens, its ancestors and itself."""
+    prefix tokens, its ancestors and itself (parents must precede children). Built in numpy, a row copy per node:
+    through torch's indexing, a few microseconds an op, an 8-node tree's mask took ~0.14 ms of a drafted step."""
     n = len(parents)
     size = num_prefix + n
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    mask[:num_prefix, :num_prefix] = torch.ones(num_prefix, num_prefix, dtype=torch.bool).tril()
+    mask = np.zeros((size, size), dtype=np.bool_)
+    mask[:num_prefix, :num_prefix] = np.tri(num_prefix, dtype=np.bool_)
+    mask[num_prefix:, :num_prefix] = True
     for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: nodes must be in topological order")
         row = num_prefix + i
-        mask[row, :num_prefix] = True
         if p >= 0:
             mask[row, num_prefix:] = mask[num_prefix + p, num_prefix:]
         mask[row, row] = True
-    return mask
+    return torch.from_numpy(mask)
 
 
 def children_of(parents: Sequence[int]) -> list[list[int]]:
