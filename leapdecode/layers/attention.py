@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -108,9 +109,9 @@ class AttentionGroup:
     fold: bool = False  # fold GQA query groups into the query axis
     split: split_kv.SplitPlan | None = None  # long context, few rows: attend chunk by chunk (split_kv.py)
     seqs: list[SeqAttention] | None = None  # few-row groups: their sequences (for the C++ rows kernel)
-    # a padded group's q_rows, q_valid, kv_slots and mask wait for :meth:`fill` (device, GQA group size): a CPU
-    # step whose rows all go through the C++ rows kernel never reads them, and building them cost ~1 ms of a
-    # 16-sequence decode step
+    # a few-row group's q_rows, q_valid, kv_start, kv_slots and mask wait for :meth:`fill` (device, GQA group
+    # size): a CPU step whose rows all go through the C++ rows kernel never reads them, and building them cost ~1
+    # ms of a 16-sequence decode step (a padded group), ~40 us of a one-sequence tree step
     _unfilled: tuple[torch.device, int] | None = field(default=None, repr=False, compare=False)
 
     def fill(self) -> AttentionGroup:
@@ -118,7 +119,11 @@ class AttentionGroup:
         if self._unfilled is not None:
             device, group_size = self._unfilled
             self._unfilled = None
-            _fill_padded(self, device, group_size)
+            if self.q_start is not None:
+                assert self.seqs is not None
+                _fill_single(self, self.seqs[0], device, group_size)
+            else:
+                _fill_padded(self, device, group_size)
         return self
 
 
@@ -196,39 +201,46 @@ def _causal_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _listed_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernel_rows of any mix of causal, windowed and tree rows: each tree row lists its own visible slots."""
+    """kernel_rows of any mix of causal, windowed and tree rows: each tree row lists its own visible slots. In
+    numpy: the same arrays through torch's calls (a few microseconds each) took ~0.2 ms of every tree step."""
     rows, spans, slots = [], [], []
     base = 0
     for s in seqs:
-        seq_slots, first = s.kv_slots(), s.first()
-        rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
+        seq_slots, first = s.kv_slots().numpy(), s.first()
+        rows.append(np.arange(s.q_start, s.q_start + s.q_len, dtype=np.int64))
         if s.tree_mask is None:  # row i sees positions (window start) .. ctx_len - q_len + i
-            ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1) - first
-            starts = torch.zeros_like(ends)
+            ends = np.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1, dtype=np.int64) - first
+            starts = np.zeros_like(ends)
             if s.window is not None:
-                starts = (s.row_positions() - s.window + 1 - first).clamp(min=0)
-            spans.append(torch.stack([starts + base, ends + base], dim=1))
+                starts = np.maximum(s.row_positions().numpy() - s.window + 1 - first, 0)
+            spans.append(np.stack([starts + base, ends + base], axis=1))
             slots.append(seq_slots)
             base += len(seq_slots)
         else:
-            vis = _visible(s)  # [q_len, kv_len]: row-major = each row's positions in order
-            ends = vis.sum(1).cumsum(0) + base
-            spans.append(torch.stack([torch.cat([ends.new_tensor([base]), ends[:-1]]), ends], dim=1))
-            slots.append(seq_slots.expand(s.q_len, len(seq_slots))[vis])
+            vis = _visible_np(s)  # [q_len, kv_len]: row-major = each row's positions in order
+            ends = vis.sum(1).cumsum() + base
+            spans.append(np.stack([np.concatenate(([base], ends[:-1])), ends], axis=1))
+            slots.append(np.broadcast_to(seq_slots, vis.shape)[vis])
             base = int(ends[-1])
-    return torch.cat(rows), torch.cat(spans).contiguous(), torch.cat(slots)
+    return (torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.ascontiguousarray(np.concatenate(spans))),
+            torch.from_numpy(np.concatenate(slots).astype(np.int64, copy=False)))
+
+
+def _visible_np(seq: SeqAttention) -> np.ndarray:
+    """[q_len, kv_len] bool: which of the positions read (first() .. ctx_len - 1) each new token may attend to."""
+    ctx, q, first = seq.ctx_len, seq.q_len, seq.first()
+    cols = np.arange(first, ctx)[None, :]
+    vis = cols <= np.arange(ctx - q, ctx)[:, None]
+    if seq.window is not None:  # positions before the window; a tree's nodes are masked by the tree alone
+        vis &= cols > (seq.row_positions().numpy() - seq.window)[:, None]
+    if seq.tree_mask is not None:
+        vis[:, vis.shape[1] - seq.tree_mask.shape[1] :] = seq.tree_mask.numpy()
+    return vis
 
 
 def _visible(seq: SeqAttention) -> torch.Tensor:
-    """[q_len, kv_len] bool: which of the positions read (first() .. ctx_len - 1) each new token may attend to."""
-    ctx, q, first = seq.ctx_len, seq.q_len, seq.first()
-    cols = torch.arange(first, ctx).unsqueeze(0)
-    vis = cols <= torch.arange(ctx - q, ctx).unsqueeze(1)
-    if seq.window is not None:  # positions before the window; a tree's nodes are masked by the tree alone
-        vis &= cols > (seq.row_positions() - seq.window).unsqueeze(1)
-    if seq.tree_mask is not None:
-        vis[:, vis.shape[1] - seq.tree_mask.shape[1] :] = seq.tree_mask
-    return vis
+    """_visible_np as a tensor (the masks of torch's attention calls)."""
+    return torch.from_numpy(_visible_np(seq))
 
 
 def build_attention_metadata(
@@ -261,7 +273,7 @@ def _plan_groups(seqs: list[SeqAttention], slot_mapping: torch.Tensor, group_siz
         if not part:
             continue
         if len(part) == 1:
-            groups.append(_single_group(part[0], device, fold=True, group_size=group_size))
+            groups.append(_few_row_group(part[0], device, group_size))
         else:
             groups.append(_padded_group(part, device, group_size))
         groups[-1].seqs = part
@@ -280,17 +292,27 @@ def _fold_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _single_group(s: SeqAttention, device: torch.device, fold: bool, group_size: int = 1) -> AttentionGroup:
     g = AttentionGroup(batch=1, q_len=s.q_len, kv_len=s.kv_len(), q_start=s.q_start, fold=fold)
+    _fill_single(g, s, device, group_size)
+    return g
+
+
+def _few_row_group(s: SeqAttention, device: torch.device, group_size: int) -> AttentionGroup:
+    """One sequence's few rows (decode, drafts, a tree); its tensors are built by :meth:`AttentionGroup.fill`."""
+    return AttentionGroup(batch=1, q_len=s.q_len, kv_len=s.kv_len(), q_start=s.q_start, fold=True,
+                          _unfilled=(device, group_size))
+
+
+def _fill_single(g: AttentionGroup, s: SeqAttention, device: torch.device, group_size: int) -> None:
     g.kv_start = s.contiguous_start()
     if g.kv_start is None:
         g.kv_slots = s.kv_slots().to(device)
     if s.tree_mask is None and s.q_len == 1:
-        return g  # a single new token sees every position read (its window, if any): no mask
-    if s.tree_mask is None and s.q_len == s.ctx_len and not fold and (s.window is None or s.window >= s.ctx_len):
+        return  # a single new token sees every position read (its window, if any): no mask
+    if s.tree_mask is None and s.q_len == s.ctx_len and not g.fold and (s.window is None or s.window >= s.ctx_len):
         g.causal = True
-        return g
+        return
     mask = _visible(s).view(1, 1, s.q_len, g.kv_len)
-    g.mask = (_fold_mask(mask, group_size) if fold else mask).to(device)
-    return g
+    g.mask = (_fold_mask(mask, group_size) if g.fold else mask).to(device)
 
 
 def _padded_group(seqs: list[SeqAttention], device: torch.device, group_size: int) -> AttentionGroup:
@@ -448,7 +470,7 @@ def _decode_one(
     """The batch-1 decode step (one new token, float cache), the case that sets single-stream latency: the same
     computation as the general loop with a third of its tensor calls, since at this size each call costs more than
     its arithmetic. q: [1, H, D] -> [1, H, D]."""
-    g = meta.groups[0]
+    g = meta.groups[0].fill()
     hkv, d = k.shape[1], k.shape[2]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
