@@ -273,6 +273,21 @@ def test_a_drafter_with_nothing_to_draft_pauses_in_a_batch_and_never_at_batch_on
     assert "ngram" not in st.idle
 
 
+def test_under_auto_a_drafter_with_nothing_to_draft_pauses_at_batch_one_too_at_most_four_steps() -> None:
+    # auto asks six drafters a step, ~0.5 ms of a one-row step: there a drafter that said no pauses at batch 1
+    # too, 1, 2, then 4 steps at most (a missed copy costs most at batch 1)
+    st = DraftState()
+    asked = []
+    for step in range(27):
+        if not Speculator._idle(st, "suffix", 1, pause_alone=True):
+            asked.append(step)
+            Speculator._said_no(st, "suffix", 1, pause_alone=True)
+    assert asked[:4] == [0, 2, 5, 10] and all(b - a == 5 for a, b in zip(asked[3:], asked[4:]))
+    assert Speculator._idle(st, "suffix", 1, pause_alone=True)  # mid-pause
+    assert not Speculator._idle(st, "suffix", 1)  # without auto, batch 1 is asked every step: the pause is dropped
+    assert st.idle["suffix"].pause == 0
+
+
 def test_tree_realism_scales_promises_by_what_trees_delivered_and_fades_back() -> None:
     r = TreeRealism()
     assert r.ratio("suffix") == 1.0  # no history: the drafter's own estimate stands

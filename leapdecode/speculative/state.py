@@ -68,9 +68,10 @@ class DifficultyState:
 
 @dataclass
 class IdleState:
-    """One sequence's pause for one drafter in a batch: a drafter that had nothing worth drafting is asked again
-    only after ``skip`` steps, a pause that doubles (1, 2, 4, 8) while it keeps having nothing, and ends at once
-    when it drafts or the batch gets smaller than ``batch`` (the size it last said no at)."""
+    """One sequence's pause for one drafter in a batch (under auto also at batch 1): a drafter that had nothing
+    worth drafting is asked again only after ``skip`` steps, a pause that doubles (1, 2, 4, 8; at batch 1 up to 4)
+    while it keeps having nothing, and ends at once when it drafts or the batch gets smaller than ``batch`` (the
+    size it last said no at)."""
 
     skip: int = 0
     pause: int = 0
