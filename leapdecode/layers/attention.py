@@ -206,13 +206,13 @@ def _listed_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, 
     rows, spans, slots = [], [], []
     base = 0
     for s in seqs:
-        seq_slots, first = s.kv_slots().numpy(), s.first()
+        seq_slots, first = s.kv_slots().cpu().numpy(), s.first()
         rows.append(np.arange(s.q_start, s.q_start + s.q_len, dtype=np.int64))
         if s.tree_mask is None:  # row i sees positions (window start) .. ctx_len - q_len + i
             ends = np.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1, dtype=np.int64) - first
             starts = np.zeros_like(ends)
             if s.window is not None:
-                starts = np.maximum(s.row_positions().numpy() - s.window + 1 - first, 0)
+                starts = np.maximum(s.row_positions().cpu().numpy() - s.window + 1 - first, 0)
             spans.append(np.stack([starts + base, ends + base], axis=1))
             slots.append(seq_slots)
             base += len(seq_slots)
@@ -232,9 +232,9 @@ def _visible_np(seq: SeqAttention) -> np.ndarray:
     cols = np.arange(first, ctx)[None, :]
     vis = cols <= np.arange(ctx - q, ctx)[:, None]
     if seq.window is not None:  # positions before the window; a tree's nodes are masked by the tree alone
-        vis &= cols > (seq.row_positions().numpy() - seq.window)[:, None]
+        vis &= cols > (seq.row_positions().cpu().numpy() - seq.window)[:, None]
     if seq.tree_mask is not None:
-        vis[:, vis.shape[1] - seq.tree_mask.shape[1] :] = seq.tree_mask.numpy()
+        vis[:, vis.shape[1] - seq.tree_mask.shape[1] :] = seq.tree_mask.cpu().numpy()
     return vis
 
 
