@@ -222,8 +222,8 @@ def _listed_rows(seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor, 
             spans.append(np.stack([np.concatenate(([base], ends[:-1])), ends], axis=1))
             slots.append(np.broadcast_to(seq_slots, vis.shape)[vis])
             base = int(ends[-1])
-    return (torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.ascontiguousarray(np.concatenate(spans))),
-            torch.from_numpy(np.concatenate(slots).astype(np.int64, copy=False)))
+    return torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(spans)), \
+        torch.from_numpy(np.concatenate(slots))
 
 
 def _visible_np(seq: SeqAttention) -> np.ndarray:

@@ -129,12 +129,16 @@ def materialize(paths: Sequence[Path], candidates: Sequence[Sequence[int]]) -> t
     return tokens, parents
 
 
+def _check_parent(i: int, p: int) -> None:
+    if p >= i:
+        raise ValueError(f"node {i} has parent {p}: nodes must be in topological order")
+
+
 def depths_of(parents: Sequence[int]) -> list[int]:
     """Depth of each node (1 = child of the root); parents must precede children."""
     depths: list[int] = []
     for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"node {i} has parent {p}: nodes must be in topological order")
+        _check_parent(i, p)
         depths.append(1 if p < 0 else depths[p] + 1)
     return depths
 
@@ -150,8 +154,7 @@ def tree_attention_mask(parents: Sequence[int], num_prefix: int = 1) -> torch.Te
     mask[:num_prefix, :num_prefix] = np.tri(num_prefix, dtype=np.bool_)
     mask[num_prefix:, :num_prefix] = True
     for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"node {i} has parent {p}: nodes must be in topological order")
+        _check_parent(i, p)
         row = num_prefix + i
         if p >= 0:
             mask[row, num_prefix:] = mask[num_prefix + p, num_prefix:]
