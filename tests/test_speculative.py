@@ -259,17 +259,17 @@ def test_a_drafter_with_nothing_to_draft_pauses_in_a_batch_and_never_at_batch_on
     st = DraftState()
     asked = []
     for step in range(40):
-        if not Speculator._idle(st, "suffix", 8):
+        if not st.paused("suffix", 8):
             asked.append(step)
-            Speculator._said_no(st, "suffix", 8)
+            st.said_no("suffix", 8)
     assert asked[:5] == [0, 2, 5, 10, 19] and all(b - a == 9 for a, b in zip(asked[4:], asked[5:]))
-    assert Speculator._idle(st, "suffix", 8)  # mid-pause
-    assert not Speculator._idle(st, "suffix", 4)  # the batch shrank: asked again, the pause starts over
-    Speculator._said_no(st, "suffix", 4)
+    assert st.paused("suffix", 8)  # mid-pause
+    assert not st.paused("suffix", 4)  # the batch shrank: asked again, the pause starts over
+    st.said_no("suffix", 4)
     assert st.idle["suffix"].pause == 1
     for _ in range(20):
-        Speculator._said_no(st, "ngram", 1)
-        assert not Speculator._idle(st, "ngram", 1)
+        st.said_no("ngram", 1)
+        assert not st.paused("ngram", 1)
     assert "ngram" not in st.idle
 
 
@@ -279,12 +279,12 @@ def test_under_auto_a_drafter_with_nothing_to_draft_pauses_at_batch_one_too_at_m
     st = DraftState()
     asked = []
     for step in range(27):
-        if not Speculator._idle(st, "suffix", 1, pause_alone=True):
+        if not st.paused("suffix", 1, pause_alone=True):
             asked.append(step)
-            Speculator._said_no(st, "suffix", 1, pause_alone=True)
+            st.said_no("suffix", 1, pause_alone=True)
     assert asked[:4] == [0, 2, 5, 10] and all(b - a == 5 for a, b in zip(asked[3:], asked[4:]))
-    assert Speculator._idle(st, "suffix", 1, pause_alone=True)  # mid-pause
-    assert not Speculator._idle(st, "suffix", 1)  # without auto, batch 1 is asked every step: the pause is dropped
+    assert st.paused("suffix", 1, pause_alone=True)  # mid-pause
+    assert not st.paused("suffix", 1)  # without auto, batch 1 is asked every step: the pause is dropped
     assert st.idle["suffix"].pause == 0
 
 

@@ -45,14 +45,12 @@ from leapdecode.speculative.policy import (
 from leapdecode.speculative.proposer import EngineView, Proposer, Verification
 from leapdecode.speculative.registry import METHODS, auto_methods, make_proposer, parse_config
 from leapdecode.speculative.router import AUTO, KV_SHORT, AutoOptions, DrafterFacts, Router, pick
-from leapdecode.speculative.state import DraftState, IdleState
+from leapdecode.speculative.state import DraftState
 from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tree_attention_mask
 
 MIN_HEADROOM = 1.2  # in a batch, drafting is considered only where perfect drafts could speed the step up 20%
 LEARN_ROWS_WITHOUT_HEADROOM = 2  # rows the row observers learn from in a batched step where nobody may draft
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
-MAX_IDLE_STEPS = 8  # the longest pause of a drafter with nothing worth drafting in a batch (IdleState)
-MAX_IDLE_STEPS_ALONE = 4  # the same at batch 1, where only auto's drafters pause (Speculator._idle)
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
 
@@ -237,10 +235,10 @@ class Speculator:
         for name in names:
             prop = self.proposers[name]
             # (no cost model: asked every step)
-            if self.cost is not None and self._idle(st, name, batch, pause_alone):
+            if self.cost is not None and st.paused(name, batch, pause_alone):
                 continue
             if not prop.has_draft(seq):  # e.g. prompt lookup without a match: not a candidate this step
-                self._said_no(st, name, batch, pause_alone)
+                st.said_no(name, batch, pause_alone)
                 continue
             tree = prop.tree_budget(seq, room, self.cost, batch)
             if tree is not None and prop.fixed_budget:  # the method's own block size, not the cost model's call
@@ -258,7 +256,7 @@ class Speculator:
                 gains[name] = gain
                 st.idle.pop(name, None)
             else:
-                self._said_no(st, name, batch, pause_alone)
+                st.said_no(name, batch, pause_alone)
                 if tree is not None:
                     self.realism.fade(name)
         if self.router is None:  # the fastest (the first of equals)
@@ -278,35 +276,6 @@ class Speculator:
                 hold(st.pending, PendingDraft(name, seq.num_tokens, tuple(other.tokens),
                                               tuple(other.parents) if other.parents is not None else None, promise))
         return best_k
-
-    @staticmethod
-    def _idle(st: DraftState, name: str, batch: int, pause_alone: bool = False) -> bool:
-        """Whether ``name`` sits this step out for the sequence: a drafter that had nothing worth drafting pauses
-        (IdleState), since asking it (matching an index, growing a tree, sizing) costs more than its rare drafts
-        win. In a batch, always; at batch 1 only with ``pause_alone`` (auto), where asking its six drafters cost
-        ~0.5 ms a step, ~7% of a one-row int8 step of the bundled model: paused there (at most 4 steps), auto's
-        requests ran 1.00-1.10x faster (chat, agent loop, grounded prompts; int8 and float32; Zen 3). A single
-        drafter is cheap to ask and lost drafts paused at batch 1 (prompt lookup and suffix on grounded prompts:
-        0.98x and 0.91x), so there it is asked every step."""
-        idle = st.idle.get(name)
-        if idle is None or (batch <= 1 and not pause_alone) or batch < idle.batch:
-            if idle is not None:
-                idle.skip = idle.pause = 0
-            return False
-        if idle.skip > 0:
-            idle.skip -= 1
-            return True
-        return False
-
-    @staticmethod
-    def _said_no(st: DraftState, name: str, batch: int, pause_alone: bool = False) -> None:
-        """``name`` had nothing worth drafting for the sequence this step: its next pause doubles (at most
-        MAX_IDLE_STEPS, MAX_IDLE_STEPS_ALONE at batch 1)."""
-        if batch <= 1 and not pause_alone:
-            return
-        idle = st.idle.setdefault(name, IdleState())
-        idle.pause = min(MAX_IDLE_STEPS if batch > 1 else MAX_IDLE_STEPS_ALONE, max(1, 2 * idle.pause))
-        idle.skip, idle.batch = idle.pause, batch
 
     def _tree_rate(self, name: str, prop: Proposer, tree: tuple[int, float],
                    load: StepLoad) -> tuple[int, float, float]:
