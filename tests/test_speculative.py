@@ -16,7 +16,7 @@ from leapdecode.speculative.options import DrafterOptions
 from leapdecode.speculative.policy import DynamicGamma, StepCostModel, TreeRealism, expected_tokens
 from leapdecode.speculative.proposer import Proposal, Proposer
 from leapdecode.speculative.registry import parse_config
-from leapdecode.speculative.speculator import LEARN_ROWS_WITHOUT_HEADROOM, Speculator
+from leapdecode.speculative.speculator import LEARN_ROWS_WITHOUT_HEADROOM, LEARN_SHARE, Speculator
 from leapdecode.speculative.state import DraftState
 
 from .conftest import SPEC_PROMPTS as PROMPTS
@@ -410,6 +410,26 @@ def test_row_observers_learn_from_a_few_rows_in_turn_where_no_draft_could_pay(pl
     sp.cost = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])  # cheap rows: every row
     spec.generate(PROMPTS, params, use_tqdm=False)
     assert max(len(t) for t in seen) > LEARN_ROWS_WITHOUT_HEADROOM  # every row (and verified trees' rows)
+
+
+def test_batched_steps_learn_from_as_many_rows_as_fit_a_share_of_the_step(plain_tiny):
+    """In a batched step that may draft, the row observers learn from as many plain rows as their measured time per
+    row fits in LEARN_SHARE of the modelled step (at least LEARN_ROWS_WITHOUT_HEADROOM; None: all), and that time
+    is measured as they learn."""
+    spec = LLM.from_engine_of(plain_tiny, speculative_config={"method": "recycling"})
+    sp = spec.engine.speculator
+    sp.cost = StepCostModel([(1, 0.010), (16, 0.030), (65, 0.120)])
+    assert sp._learn_budget(16) is None  # nothing measured yet: every row
+    sp.learn_row_s = 140e-6  # a 262,144-wide row's top-k: 1% of a 30 ms step fits two
+    assert sp._learn_budget(16) == LEARN_ROWS_WITHOUT_HEADROOM
+    sp.learn_row_s = 40e-6
+    assert sp._learn_budget(16) == int(LEARN_SHARE * 0.030 / 40e-6) == 7
+    sp.learn_row_s = 1e-6
+    assert sp._learn_budget(16) is None  # all fit
+    sp.learn_row_s = 0.0
+    sp.cost = StepCostModel([(1, 1.0), (9, 1.2), (65, 4.0)])  # cheap rows: batched steps may draft
+    spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert 0.0 < sp.learn_row_s < 0.1  # measured from the plain rows it learnt from
 
 
 class EagerTrees(Proposer):

@@ -50,6 +50,8 @@ from leapdecode.speculative.tree import compaction_moves, depths_of, path_to, tr
 
 MIN_HEADROOM = 1.2  # in a batch, drafting is considered only where perfect drafts could speed the step up 20%
 LEARN_ROWS_WITHOUT_HEADROOM = 2  # rows the row observers learn from in a batched step where nobody may draft
+LEARN_SHARE = 0.01  # in a batched step with headroom, the row observers learn from plain rows for about this share
+# of the step's modelled time (at least LEARN_ROWS_WITHOUT_HEADROOM rows)
 OVERHEAD_EMA = 0.2  # weight of the newest measurement in the speculation-overhead averages
 UNMODELLED_FADE = 0.02  # per sequence and step a drafter sits out: its unmodelled drafting time fades this share
 
@@ -125,6 +127,7 @@ class Speculator:
         # few, in turn (learn_turn), so a large vocabulary's top-k over a whole batch does not cost a step
         self.learn_rows: int | None = None
         self.learn_turn = 0
+        self.learn_row_s = 0.0  # measured seconds the row observers take per plain row (EMA)
         self.router: Router | None = None  # auto: the strategy router (router.py) picks per request and step
         if cfg.method == AUTO:
             facts = []
@@ -196,12 +199,25 @@ class Speculator:
             for seq in decoding:
                 self.draft_state(seq).begin_step()
             return limits
+        if batch > 1:
+            self.learn_rows = self._learn_budget(batch)
         load = StepLoad(batch, batch, float(batch))
         for seq in decoding:
             k = self._limit(seq, load)
             if k > 0:
                 limits[seq.request_id] = k
         return limits
+
+    def _learn_budget(self, batch: int) -> int | None:
+        """How many plain rows the row observers learn from in a batched step that may draft (None: all): as many as
+        their measured time per row fits in LEARN_SHARE of the step, at least LEARN_ROWS_WITHOUT_HEADROOM. On Gemma 3
+        270M's 262,144-token vocabulary a row's top-k takes ~140 us, and learning from all 16 rows of a batch-16 step
+        cost recycling ~4% of the step with nothing drafted (Zen 3, int8 activations); a drafting sequence's verified
+        rows are learnt from in full all the same."""
+        if self.cost is None or self.learn_row_s <= 0.0:
+            return None
+        rows = max(LEARN_ROWS_WITHOUT_HEADROOM, int(LEARN_SHARE * self.cost(batch) / self.learn_row_s))
+        return None if rows >= batch else rows
 
     def _limit(self, seq: Sequence, load: StepLoad) -> int:
         self.draft_state(seq).begin_step()
@@ -384,8 +400,8 @@ class Speculator:
     def observe_sampled(self, seqs: list[Sequence], results: list[ForwardResult]) -> None:
         """After plain sampling committed one token to each of ``seqs`` (``results``: their forwards): drafters that
         learn from the target's logits get every sequence's row in one call (each row's input was the token before
-        the new one; in a step without headroom ``learn_rows`` of them, in turn), then each sequence goes on as
-        after a verification, at its last row."""
+        the new one; in a batched step ``learn_rows`` of them where that is set, in turn), then each sequence goes on
+        as after a verification, at its last row."""
         if self.row_observers:
             alive = [i for i, seq in enumerate(seqs) if not seq.is_finished and seq.num_tokens >= 2]
             n = self.learn_rows
@@ -393,10 +409,13 @@ class Speculator:
                 alive = sorted(alive[(self.learn_turn + j) % len(alive)] for j in range(n))
                 self.learn_turn += n
             if alive:
+                t0 = time.perf_counter()
                 tokens = [seqs[i].token_ids[-2] for i in alive]
                 logits = stack_rows([results[i].logits[-1] for i in alive])  # a view where the rows are consecutive
                 for prop in self.row_observers:
                     prop.observe_rows(tokens, logits)
+                spent = rank0_value(time.perf_counter() - t0)  # every rank learns from the same rows
+                self.learn_row_s = self._ema(self.learn_row_s, spent / len(alive))
         for seq, res in zip(seqs, results):
             self._after_commit(seq, res, -1)
 
