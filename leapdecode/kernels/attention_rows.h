@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_prefetch.h"
 #include "vec_math.h"
 
 // A K or V row's 16 elements as float32: a float32 cache's as stored, a bfloat16 or float16 cache's widened. Every
@@ -63,24 +64,6 @@ template <typename T>
 static inline const float* widen(const T* p, int64_t d, float* buf) {
   for (int64_t i = 0; i < d; ++i) buf[i] = float(p[i]);
   return buf;
-}
-
-// fetch the first `bytes` of a row into L2 (line by line)
-template <typename T>
-static inline void prefetch_row(const T* r, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, 1);
-}
-
-// How far ahead of the key being read its K or V rows are fetched, into L2: a batch's rows each read their own
-// K/V from memory, and a core keeps only so many lines in flight into L1; 64 keys into L2 took 16 sequences of
-// 1,000 positions from 16 to 20 GB/s (30 layers: 47.8 -> 37.4 ms). The callers fetch a pass's first keys before it
-// starts (prefetch_rows).
-constexpr int64_t kPrefetchKeys = 64;
-
-// the rows of the first keys of a pass over slots[0 .. n) (their first `bytes` each), into L2
-template <typename T>
-static inline void prefetch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row, int64_t bytes) {
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) prefetch_row(base + slots[j] * row, bytes);
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
