@@ -414,8 +414,9 @@ class Speculator:
                 logits = stack_rows([results[i].logits[-1] for i in alive])  # a view where the rows are consecutive
                 for prop in self.row_observers:
                     prop.observe_rows(tokens, logits)
-                spent = rank0_value(time.perf_counter() - t0)  # every rank learns from the same rows
-                self.learn_row_s = self._ema(self.learn_row_s, spent / len(alive))
+                if len(seqs) > 1:  # the budget is for batched steps, where a call's fixed cost spreads over rows
+                    spent = rank0_value(time.perf_counter() - t0)  # every rank learns from the same rows
+                    self.learn_row_s = self._ema(self.learn_row_s, spent / len(alive))
         for seq, res in zip(seqs, results):
             self._after_commit(seq, res, -1)
 
