@@ -123,8 +123,9 @@ class Speculator:
         # the drafters called after every committed step (declared: proposer.py), listed once
         self.watchers = [p for p in self.proposers.values() if p.observes]
         self.row_observers = [p for p in self.proposers.values() if p.observes_rows]
-        # rows the row observers learn from this step (None: all); in a step without headroom (draft_limits) a
-        # few, in turn (learn_turn), so a large vocabulary's top-k over a whole batch does not cost a step
+        # rows the row observers learn from this step (None: all); in a batched step (draft_limits) a few, in turn
+        # (learn_turn): 2 without headroom, else as many as fit LEARN_SHARE of the step (_learn_budget), so a large
+        # vocabulary's top-k over a whole batch does not cost a step
         self.learn_rows: int | None = None
         self.learn_turn = 0
         self.learn_row_s = 0.0  # measured seconds the row observers take per plain row (EMA)
