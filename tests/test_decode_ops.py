@@ -79,7 +79,7 @@ def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: i
     all of them, block by block; each row's result is still the bits it gets alone, and SDPA's values. Beside
     them in the same call: another sequence's decode row and a tree row whose length chunks differently."""
     g = torch.Generator().manual_seed(context + head_dim + group)
-    hkv, num_slots, nodes = 3, 4096, 12
+    hkv, num_slots, nodes = 3, 4096, 11  # odd: the rows go two by two, and one alone
     k_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
     v_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
     perm = torch.randperm(num_slots, generator=g)

@@ -66,110 +66,7 @@ static inline const float* widen(const T* p, int64_t d, float* buf) {
   return buf;
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 (16 registers of 8 floats). The 16-lane loops above kept their sums on the stack here, a store and a load
-// per product (one row's attention over 128 positions took 128 us a layer, more than the layer's projections);
-// these keep every sum in a register. One fixed order per value, whoever calls: a score is q . k as a product of
-// the first 8 elements and FMAs of the next 8s in order, its 8 lanes summed by hsum4's tree; a weighted sum is
-// one FMA per key in key order, per lane. So a row's bits are its own, alone, batched or in a tree.
-#define ATTENTION_AVX2 1
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// the lane sums of four vectors as four floats, by one fixed tree: lane u is ((a_u0 + a_u1) + (a_u2 + a_u3)) +
-// ((a_u4 + a_u5) + (a_u6 + a_u7)), whatever the other three vectors hold
-static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 z = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
-}
-
-// scores sh[g * np + j] = scale * q_g . K[slots[j]] for GG (1-3) query heads q [GG, D] (D a multiple of 8), four
-// keys at a time (12 sums in registers at most); a last key or three alone, by the same tree
-template <int GG, typename T>
-static inline void score_heads(const float* q, int64_t D, const T* k, const int64_t* slots, int64_t n, int64_t row,
-                               float scale, float* sh, int64_t np) {
-  const __m128 sc = _mm_set1_ps(scale);
-  const int64_t bytes = D * int64_t(sizeof(T));
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* kj[4];
-    for (int u = 0; u < 4; ++u) {
-      if (j + u + kPrefetchKeys < n) prefetch_row(k + slots[j + u + kPrefetchKeys] * row, bytes);
-      kj[u] = k + slots[j + u] * row;
-    }
-    __m256 acc[GG][4];
-    for (int u = 0; u < 4; ++u) {
-      const __m256 kc = load8(kj[u]);
-      for (int g = 0; g < GG; ++g) acc[g][u] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kc);
-    }
-    for (int64_t c = 8; c < D; c += 8)
-      for (int u = 0; u < 4; ++u) {
-        const __m256 kc = load8(kj[u] + c);
-        for (int g = 0; g < GG; ++g) acc[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kc, acc[g][u]);
-      }
-    for (int g = 0; g < GG; ++g)
-      _mm_storeu_ps(sh + g * np + j, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
-  }
-  const __m256 zero = _mm256_setzero_ps();
-  for (; j < n; ++j) {
-    const T* kj = k + slots[j] * row;
-    __m256 acc[GG];
-    for (int g = 0; g < GG; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), load8(kj));
-    for (int64_t c = 8; c < D; c += 8) {
-      const __m256 kc = load8(kj + c);
-      for (int g = 0; g < GG; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kc, acc[g]);
-    }
-    for (int g = 0; g < GG; ++g) sh[g * np + j] = _mm_cvtss_f32(_mm_mul_ss(hsum4(acc[g], zero, zero, zero), sc));
-  }
-}
-
-// out_g[0 .. 8 CC) (+)= sum_j p_g[j] * V[slots[j]][0 .. 8 CC) for GG query heads (p_g = p + g * np, out_g = out +
-// g * stride; init: from zero), in key order
-template <int GG, int CC, typename T>
-static inline void weighted_heads(const float* p, int64_t np, const T* v, const int64_t* slots, int64_t n,
-                                  int64_t row, float* out, int64_t stride, bool init) {
-  __m256 acc[GG][CC];
-  for (int g = 0; g < GG; ++g)
-    for (int c = 0; c < CC; ++c) acc[g][c] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(out + g * stride + 8 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = v + slots[j] * row;
-    if (j + kPrefetchKeys < n) prefetch_row(v + slots[j + kPrefetchKeys] * row, 8 * CC * int64_t(sizeof(T)));
-    __m256 x[CC];
-    for (int c = 0; c < CC; ++c) x[c] = load8(vj + 8 * c);
-    for (int g = 0; g < GG; ++g) {
-      const __m256 pj = _mm256_broadcast_ss(p + g * np + j);
-      for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_fmadd_ps(x[c], pj, acc[g][c]);
-    }
-  }
-  for (int g = 0; g < GG; ++g)
-    for (int c = 0; c < CC; ++c) _mm256_storeu_ps(out + g * stride + 8 * c, acc[g][c]);
-}
-
-// f(std::integral_constant<int, GG>{}, g) for the query heads g .. g + GG - 1 of G, three a pass over the keys
-template <class F>
-static inline void by_three_heads(int64_t G, F&& f) {
-  for (int64_t g = 0; g < G; g += 3) {
-    if (G - g >= 3) f(std::integral_constant<int, 3>{}, g);
-    else if (G - g == 2) f(std::integral_constant<int, 2>{}, g);
-    else f(std::integral_constant<int, 1>{}, g);
-  }
-}
-
-// weighted_heads over all of D (a multiple of 8): 16 elements a pass, 8 for an odd last one
-template <int GG, typename T>
-static inline void weighted_heads_all(const float* p, int64_t np, const T* v, const int64_t* slots, int64_t n,
-                                      int64_t row, int64_t D, float* out, int64_t stride, bool init) {
-  int64_t c = 0;
-  for (; c + 16 <= D; c += 16) weighted_heads<GG, 2>(p, np, v + c, slots, n, row, out + c, stride, init);
-  if (c < D) weighted_heads<GG, 1>(p, np, v + c, slots, n, row, out + c, stride, init);
-}
-#endif
+#include "attention_avx2.h"
 
 // out[0 .. 16C) = sum_j p[j] * V[slots[j]] (V rows at v + slots[j] * row), summed over j in order, onto the sum
 // already in out (init: from zero). A sum continued over consecutive ranges of j is the same bits as one call over
@@ -254,6 +151,25 @@ static inline void weighted_sum_heads(const float* p, int64_t np, const T* v, co
   } else {
     for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * np, v, slots, n, row, D, out + g * stride, init);
   }
+}
+
+// weighted_sum_heads for two rows over the same keys (p0 / p1 their probabilities, out0 / out1 their sums): both
+// rows in one pass where the AVX2 loops take the shape, two calls otherwise; the same bits either way
+template <typename T>
+static inline void weighted_sum_heads2(const float* p0, int64_t np0, const float* p1, int64_t np1, const T* v,
+                                       const int64_t* slots, int64_t n, int64_t row, int64_t G, int64_t D,
+                                       float* out0, float* out1, int64_t stride, bool init) {
+#ifdef ATTENTION_AVX2
+  if (D % 8 == 0) {
+    by_three_heads(G, [&](auto GG, int64_t g) {
+      weighted_heads2_all<GG.value>(p0 + g * np0, np0, p1 + g * np1, np1, v, slots, n, row, D, out0 + g * stride,
+                                    out1 + g * stride, stride, init);
+    });
+    return;
+  }
+#endif
+  weighted_sum_heads(p0, np0, v, slots, n, row, G, D, out0, stride, init);
+  weighted_sum_heads(p1, np1, v, slots, n, row, G, D, out1, stride, init);
 }
 
 // Scores sg[0 .. n) (padded to np, a multiple of 16) become e^(s - m) with m their max, stored in *m_out; the
@@ -402,6 +318,25 @@ static inline void score_keys(const float* q, const T* k, const int64_t* slots, 
     if (j + 8 < n) __builtin_prefetch(k + slots[j + 8] * row);
     for (int64_t g = 0; g < G; ++g) sh[g * np + j] = dot(q + g * D, kj, D) * scale;
   }
+}
+
+// score_keys for two rows over the same keys (q0 / q1 their queries, s0 / s1 their scores): both rows in one pass
+// where the AVX2 loops take the shape, two calls otherwise; the same bits either way
+template <typename T>
+static inline void score_keys2(const float* q0, const float* q1, const T* k, const int64_t* slots, int64_t n,
+                               int64_t row, int64_t G, int64_t D, float scale, float* s0, int64_t np0, float* s1,
+                               int64_t np1) {
+#ifdef ATTENTION_AVX2
+  if (D % 8 == 0) {
+    by_three_heads(G, [&](auto GG, int64_t g) {
+      score_heads2<GG.value>(q0 + g * D, q1 + g * D, D, k, slots, n, row, scale, s0 + g * np0, np0, s1 + g * np1,
+                             np1);
+    });
+    return;
+  }
+#endif
+  score_keys(q0, k, slots, n, row, G, D, scale, s0, np0);
+  score_keys(q1, k, slots, n, row, G, D, scale, s1, np1);
 }
 
 // A row that sees more than kLongRow positions is attended in chunks of at most kLongRow slots by separate tasks,
