@@ -10,7 +10,8 @@ import torch
 
 # One thread by default: the tiny test models gain nothing from more, and on a busy machine (CI runners,
 # shared dev boxes) OpenMP threads that wait for each other make every small op ~100x slower. Override with
-# LEAPDECODE_TEST_THREADS=N (e.g. for the slow bundled-model tests on an idle machine).
+# LEAPDECODE_TEST_THREADS=N (e.g. for the slow bundled-model tests on an idle machine). `make test` runs two
+# pytest-xdist workers, so the suite still uses two cores.
 torch.set_num_threads(max(1, min(int(os.environ.get("LEAPDECODE_TEST_THREADS", "1")), os.cpu_count() or 1)))
 
 # No GPU: the Triton kernels (layers/triton_attention.py) run through Triton's interpreter, which must be chosen

@@ -48,19 +48,18 @@ def post(base: str, path: str, body: dict, timeout: float = 60) -> httpx.Respons
     return httpx.post(base + path, json=body, trust_env=False, timeout=timeout)
 
 
-def nested_schema(depth: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
 def test_grammar_over_the_limits_is_a_400_naming_it(base: str) -> None:
-    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(470)}}
-    r = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "response_format": fmt})
+    # the body as text: json.dumps recurses once a level, and 941 levels beside a deep caller's stack (a pytest-xdist
+    # worker's) exceed Python's recursion limit in the client before the server sees anything
+    schema = '{"type": "object", "properties": {"a": ' * 470 + '{"type": "string"}' + '}, "required": ["a"]}' * 470
+    body = (f'{{"messages": {json.dumps(CHAT)}, "max_tokens": 4, '
+            f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "deep", "schema": {schema}}}}}}}')
+    r = httpx.post(base + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   trust_env=False, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "grammar_too_large" and "max_json_depth" in err["message"], err
+    assert err["code"] == "grammar_too_large" and "nested 941 levels" in err["message"], err
+    assert "max_json_depth" in err["message"], err
     r = post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "(" * 50}})
     assert r.status_code == 400 and "max_regex_depth" in r.json()["error"]["message"]
 
