@@ -196,10 +196,12 @@ def test_attention_rows_causal_rows_share_one_slot_list() -> None:
                                atol=2e-6)
 
 
-@pytest.mark.parametrize("first,last", [(1, 200), (470, 560), (1000, 1060)])  # whole; across 512; chunked
+# whole rows; whole, then chunked; across 512; chunked (the first two in neighbouring pairs, the last two fused)
+@pytest.mark.parametrize("first,last", [(1, 200), (1, 600), (470, 560), (1000, 1060)])
 def test_a_long_prompts_causal_rows_each_match_the_row_alone(first: int, last: int) -> None:
-    """A prompt's rows, dealt to the threads first and last alternately, some past 512 positions (chunked, and
-    fused where neighbours chunk alike): every row is the bits it gets alone, and SDPA's values."""
+    """A prompt's rows, dealt to the threads first and last alternately (neighbours two by two where they chunk
+    alike), some past 512 positions (chunked, and fused where most of their keys are shared): every row is the bits
+    it gets alone, and SDPA's values."""
     g = torch.Generator().manual_seed(first)
     k_cache, v_cache = torch.randn(1200, 3, 64, generator=g), torch.randn(1200, 3, 64, generator=g)
     slots = torch.randperm(1200, generator=g)[:last]

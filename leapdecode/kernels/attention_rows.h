@@ -482,12 +482,29 @@ static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots,
     } else if (r1 - r0 > 1) {
       // a prompt's causal rows read ever more keys: taken first and last alternately, each thread's contiguous
       // share of the tasks reads about as many keys as the other's (in order, the later half of the rows read ~3x
-      // the keys of the earlier; a 1,000-token prompt's attention took 0.95x the time this way, A/B on Zen 4)
+      // the keys of the earlier; a 1,000-token prompt's attention took 0.95x the time this way, A/B on Zen 4).
+      // Fused, neighbours whose spans start at one place in the slot list (row r's keys a prefix of row r + 1's)
+      // and that are chunked alike go as a pair: attend_run reads their shared keys once for both (a fresh
+      // prompt's attention, 30 layers, calls alternating with the unpaired build on Zen 3: 300 rows 1.12x, 1,000
+      // rows 1.23x, same bits).
+      auto pairs = [&](int64_t r) {
+        return fuse && r + 1 < r1 && span[2 * r + 2] == span[2 * r] && length(r + 1) >= length(r) &&
+               length(r) >= 64 && geometry(r + 1) == geometry(r) &&
+               num_chunks(length(r + 1), chunk_all) == num_chunks(length(r), chunk_all);
+      };
+      std::vector<int64_t> units;  // each unit's first row; a unit is one row or a pair
+      for (int64_t r = r0; r < r1; ++r) {
+        units.push_back(r);
+        if (pairs(r)) ++r;  // its neighbour goes with it
+      }
+      const int64_t nu = int64_t(units.size());
+      auto unit_end = [&](int64_t u) { return u + 1 < nu ? units[u + 1] : r1; };
       for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t k = 0; k < r1 - r0; ++k) {
-          const int64_t r = k % 2 == 0 ? r0 + k / 2 : r1 - 1 - k / 2;
+        for (int64_t k = 0; k < nu; ++k) {
+          const int64_t u = k % 2 == 0 ? k / 2 : nu - 1 - k / 2;
+          const int64_t r = units[u], e = unit_end(u);
           const int64_t cr = num_chunks(length(r), chunk_all);
-          for (int64_t c = cr ? 0 : -1; c < cr; ++c) t.tasks.push_back({r, r + 1, 0, h, c});
+          for (int64_t c = cr ? 0 : -1; c < cr; ++c) t.tasks.push_back({r, e, e - r > 1 ? length(r) : 0, h, c});
         }
     } else {
       for (int64_t c = chunks ? 0 : -1; c < chunks; ++c)
