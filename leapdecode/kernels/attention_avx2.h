@@ -12,11 +12,11 @@
 #include "kv_prefetch.h"
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 (16 registers of 8 floats). The 16-lane loops above kept their sums on the stack here, a store and a load
-// per product (one row's attention over 128 positions took 128 us a layer, more than the layer's projections);
-// these keep every sum in a register. One fixed order per value, whoever calls: a score is q . k as a product of
-// the first 8 elements and FMAs of the next 8s in order, its 8 lanes summed by hsum4's tree; a weighted sum is
-// one FMA per key in key order, per lane. So a row's bits are its own, alone, batched or in a tree.
+// AVX2 (16 registers of 8 floats). attention_rows.h's 16-lane loops kept their sums on the stack here, a store and a
+// load per product (one row's attention over 128 positions took 128 us a layer, more than the layer's projections);
+// these keep every sum in a register. One fixed order per value, whoever calls: a score is q . k as a product of the
+// first 8 elements and FMAs of the next 8s in order, its 8 lanes summed by hsum4's tree; a weighted sum is one FMA
+// per key in key order, per lane. So a row's bits are its own, alone, batched or in a tree.
 #define ATTENTION_AVX2 1
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
