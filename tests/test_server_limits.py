@@ -44,7 +44,11 @@ def base(llm: LLM) -> Iterator[str]:
     assert_no_leaks(llm)
 
 
-def post(base: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+def post(base: str, path: str, body: dict | str, timeout: float = 60) -> httpx.Response:
+    """POST ``body`` as JSON (a str: already encoded, sent as is)."""
+    if isinstance(body, str):
+        return httpx.post(base + path, content=body, headers={"content-type": "application/json"}, trust_env=False,
+                          timeout=timeout)
     return httpx.post(base + path, json=body, trust_env=False, timeout=timeout)
 
 
@@ -54,8 +58,7 @@ def test_grammar_over_the_limits_is_a_400_naming_it(base: str) -> None:
     schema = '{"type": "object", "properties": {"a": ' * 470 + '{"type": "string"}' + '}, "required": ["a"]}' * 470
     body = (f'{{"messages": {json.dumps(CHAT)}, "max_tokens": 4, '
             f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "deep", "schema": {schema}}}}}}}')
-    r = httpx.post(base + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
-                   trust_env=False, timeout=60)
+    r = post(base, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "grammar_too_large" and "nested 941 levels" in err["message"], err

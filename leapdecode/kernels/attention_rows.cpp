@@ -68,7 +68,7 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
     int64_t i = 0;
     for (; i + 2 <= nr; i += 2)  // two rows a pass: each key piece loaded once for both
       score_keys2(query(i), query(i + 1), kh, common + j, nb, row, G, D, x.scale, scores(i, j), meta[3 * i + 1],
-                  scores(i + 1, j), meta[3 * i + 4]);
+                  scores(i + 1, j), meta[3 * (i + 1) + 1]);
     if (i < nr) score_keys(query(i), kh, common + j, nb, row, G, D, x.scale, scores(i, j), meta[3 * i + 1]);
   }
   for (int64_t i = 0; i < nr; ++i) {
@@ -104,8 +104,8 @@ static void attend_run(const RowsCall& x, const RowTask& task, std::vector<float
     const int64_t nb = std::min(block, s - j);
     int64_t i = 0;
     for (; i + 2 <= nr; i += 2)
-      weighted_sum_heads2(scores(i, j), meta[3 * i + 1], scores(i + 1, j), meta[3 * i + 4], vh, common + j, nb, row,
-                          G, D, dst(i), dst(i + 1), stride, j == a);
+      weighted_sum_heads2(scores(i, j), meta[3 * i + 1], scores(i + 1, j), meta[3 * (i + 1) + 1], vh, common + j,
+                          nb, row, G, D, dst(i), dst(i + 1), stride, j == a);
     if (i < nr)
       weighted_sum_heads(scores(i, j), meta[3 * i + 1], vh, common + j, nb, row, G, D, dst(i), stride, j == a);
   }
