@@ -39,6 +39,24 @@ def _reference(q, k_cache, v_cache, slots: torch.Tensor, scale: float, group: in
     return F.scaled_dot_product_attention(q.view(1, hkv, group, d), kg, vg, scale=scale).view(-1, d)
 
 
+def _cache_pair(kind: str, num_slots: int, hkv: int, d: int, g: torch.Generator):
+    """K and V caches of random rows: float32 tensors, or kv_quant's int8 planes. Returns the rows kernel that reads
+    them (attention_rows or attention_rows_i8, same signature) and the float32 values they hold (the reference's)."""
+    k, v = torch.randn(num_slots, hkv, d, generator=g), torch.randn(num_slots, hkv, d, generator=g)
+    if kind == "float32":
+        return attention_rows.attention_rows, k, v, k, v
+    from leapdecode.layers.kv_quant import QuantizedKV
+
+    planes = []
+    for x in (k, v):
+        plane = QuantizedKV(torch.zeros(num_slots, hkv, d, dtype=torch.int8),
+                            torch.zeros(num_slots, hkv, d // 16, dtype=torch.float16))  # fmt: skip
+        plane.write(torch.arange(num_slots), x)
+        planes.append(plane)
+    deq = [p.read_range(0, num_slots, torch.float32) for p in planes]
+    return attention_rows.attention_rows_i8, planes[0], planes[1], deq[0], deq[1]
+
+
 # 3000 x 9 heads: the threaded path; rows over 512 positions are attended in even chunks of at most 512 slots and
 # merged (513: two chunks; 1025: three; 512: still one piece)
 @pytest.mark.parametrize("lengths", [[1], [15, 17, 200], [3000, 5], [1025, 2048, 512, 513]])
@@ -72,16 +90,17 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
 
 
 @pytest.mark.parametrize("context", [100, 700, 1030])  # one piece; two chunks; three chunks
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 2), (64, 4), (24, 3)])
-def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: int, head_dim: int,
-                                                                      group: int) -> None:
+@pytest.mark.parametrize("head_dim,group,cache", [(64, 3, "float32"), (64, 2, "float32"), (64, 4, "float32"),
+                                                  (24, 3, "float32"), (64, 3, "int8"), (32, 2, "int8")])
+def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: int, head_dim: int, group: int,
+                                                                      cache: str) -> None:
     """A tree's rows (each: the sequence's context, then its ancestors and itself) read the shared context once for
-    all of them, block by block; each row's result is still the bits it gets alone, and SDPA's values. Beside
-    them in the same call: another sequence's decode row and a tree row whose length chunks differently."""
+    all of them, block by block (the int8 cache's dequantised once); each row's result is still the bits it gets
+    alone, and SDPA's values. Beside them in the same call: another sequence's decode row and a tree row whose
+    length chunks differently."""
     g = torch.Generator().manual_seed(context + head_dim + group)
     hkv, num_slots, nodes = 3, 4096, 11  # odd: the rows go two by two, and one alone
-    k_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
-    v_cache = torch.randn(num_slots, hkv, head_dim, generator=g)
+    kernel, k_cache, v_cache, k_ref, v_ref = _cache_pair(cache, num_slots, hkv, head_dim, g)
     perm = torch.randperm(num_slots, generator=g)
     ctx, node_slots, other = perm[:context], perm[context : context + nodes], perm[context + nodes :][:333]
     parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, nodes)]
@@ -99,13 +118,11 @@ def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: i
     spans = torch.stack([ends - torch.tensor(lengths), ends], dim=1)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(len(lists)), spans, torch.cat(lists), scale, out)
+    kernel(q, k_cache, v_cache, torch.arange(len(lists)), spans, torch.cat(lists), scale, out)
     for r, slots in enumerate(lists):
-        torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots, scale, group), rtol=1e-5,
-                                   atol=2e-6)
+        torch.testing.assert_close(out[r], _reference(q[r], k_ref, v_ref, slots, scale, group), rtol=1e-5, atol=2e-6)
         alone = torch.empty_like(q)
-        attention_rows.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots,
-                                      scale, alone)
+        kernel(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, len(slots)]]), slots, scale, alone)
         assert torch.equal(alone[r], out[r]), r
 
 
@@ -197,27 +214,27 @@ def test_attention_rows_causal_rows_share_one_slot_list() -> None:
 
 
 # whole rows; whole, then chunked; across 512; chunked (the first two in neighbouring pairs, the last two fused)
-@pytest.mark.parametrize("first,last", [(1, 200), (1, 600), (470, 560), (1000, 1060)])
-def test_a_long_prompts_causal_rows_each_match_the_row_alone(first: int, last: int) -> None:
+@pytest.mark.parametrize("first,last,cache", [(1, 200, "float32"), (1, 600, "float32"), (470, 560, "float32"),
+                                              (1000, 1060, "float32"), (1, 600, "int8"), (1000, 1060, "int8")])
+def test_a_long_prompts_causal_rows_each_match_the_row_alone(first: int, last: int, cache: str) -> None:
     """A prompt's rows, dealt to the threads first and last alternately (neighbours two by two where they chunk
     alike), some past 512 positions (chunked, and fused where most of their keys are shared): every row is the bits
     it gets alone, and SDPA's values."""
     g = torch.Generator().manual_seed(first)
-    k_cache, v_cache = torch.randn(1200, 3, 64, generator=g), torch.randn(1200, 3, 64, generator=g)
+    kernel, k_cache, v_cache, k_ref, v_ref = _cache_pair(cache, 1200, 3, 64, g)
     slots = torch.randperm(1200, generator=g)[:last]
     ends = torch.arange(first, last + 1)
     q = torch.randn(len(ends), 9, 64, generator=g)
     out = torch.empty_like(q)
-    attention_rows.attention_rows(q, k_cache, v_cache, torch.arange(len(ends)),
-                                  torch.stack([torch.zeros_like(ends), ends], 1), slots, 0.125, out)
+    kernel(q, k_cache, v_cache, torch.arange(len(ends)), torch.stack([torch.zeros_like(ends), ends], 1), slots, 0.125,
+           out)
     for r in range(0, len(ends), 7):
         alone = torch.empty_like(q)
-        attention_rows.attention_rows(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, int(ends[r])]]),
-                                      slots, 0.125, alone)
+        kernel(q, k_cache, v_cache, torch.tensor([r]), torch.tensor([[0, int(ends[r])]]), slots, 0.125, alone)
         assert torch.equal(alone[r], out[r]), r
     for r in (0, len(ends) // 2, len(ends) - 1):
-        torch.testing.assert_close(out[r], _reference(q[r], k_cache, v_cache, slots[: int(ends[r])], 0.125, 3),
-                                   rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(out[r], _reference(q[r], k_ref, v_ref, slots[: int(ends[r])], 0.125, 3), rtol=1e-5,
+                                   atol=2e-6)
 
 
 def test_rope_and_silu_mul_match_torch() -> None:

@@ -31,6 +31,7 @@ from types import ModuleType
 import torch
 
 from leapdecode.bench.step_rows import scratch_step
+from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.engine.model_runner import ForwardResult
 from leapdecode.kernels import extension
 from leapdecode.llm import LLM
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linear-kernel", default="auto", help="the engine's linear_kernel (e.g. packed-int8act)")
     p.add_argument("--rows", default="1,4,16", help="comma list of new tokens per step (a tree's or draft's rows)")
     p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the engine's KV cache")
     p.add_argument("--steps", type=int, default=400, help="timed steps per row count, both builds together")
     p.add_argument("--switch-every", type=int, default=4, help="steps of one build before the other's")
     a = p.parse_args(argv)
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rows must list counts >= 1, --steps >= 2, --switch-every >= 1, --context >= 0")
     this = extension.load_kernel(required=True)
     base = baseline_kernels(a.baseline)
-    llm = LLM(model=a.model, linear_kernel=a.linear_kernel) if a.model else LLM(linear_kernel=a.linear_kernel)
+    options = {"linear_kernel": a.linear_kernel, "kv_cache_dtype": a.kv_cache_dtype}
+    llm = LLM(model=a.model, **options) if a.model else LLM(**options)
     torch.set_num_threads(llm.engine.num_threads)
     print("| rows | baseline ms | this checkout ms | speedup | per-cycle speedup, median (middle half) | results |\n"
           "|---|---|---|---|---|---|")

@@ -360,26 +360,10 @@ static inline Chunking chunking(int64_t n) {
   return {len, (n + len - 1) / len};
 }
 
-// q: the G query heads of one KV head [G, D]; k, v: that KV head's rows at k + slots[j] * row (so a float cache
-// passes kp + h * D with row = Hkv * D, and a dequantised int8 chunk its own [n, D] scratch with row = D)
-static inline void attend_chunk(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n,
-                                int64_t G, int64_t D, int64_t row, float scale, float* part, std::vector<float>& buf) {
-  // part: G records of [m, s, o[0..D)]
-  const int64_t np = (n + 15) / 16 * 16;
-  if (int64_t(buf.size()) < G * np) buf.resize(G * np);
-  float* sh = buf.data();
-  score_keys(q, k, slots, n, row, G, D, scale, sh, np);
-  for (int64_t g = 0; g < G; ++g) {
-    float* rec = part + g * (D + 2);
-    rec[1] = exp_scores(sh + g * np, n, np, &rec[0]);
-  }
-  weighted_sum_heads(sh, np, v, slots, n, row, G, D, part + 2, D + 2, true);
-}
-
 // out[t] for every row whose partial results sit in parts (G records of [m, s, o] per (row, KV head, chunk), at
 // parts[(first_part[r] + h * chunks + c) * G * (D + 2)]): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c,
 // chunks in order. Rows with no parts (first_part[r] == first_part[r + 1]) are left alone.
-static inline void merge_chunks(const std::vector<float>& parts, const std::vector<int64_t>& first_part,
+static inline void merge_chunks(const float* parts, const std::vector<int64_t>& first_part,
                                 const int64_t* rp, int64_t R, int64_t Hkv, int64_t G, int64_t D, float* outp) {
   const int64_t H = Hkv * G, stride = G * (D + 2);
   for (int64_t r = 0; r < R; ++r) {
@@ -387,7 +371,7 @@ static inline void merge_chunks(const std::vector<float>& parts, const std::vect
     if (chunks == 0) continue;
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t g = 0; g < G; ++g) {
-        const float* first = parts.data() + (first_part[r] + h * chunks) * stride + g * (D + 2);
+        const float* first = parts + (first_part[r] + h * chunks) * stride + g * (D + 2);
         float m = first[0];
         for (int64_t c = 1; c < chunks; ++c) m = std::max(m, first[c * stride]);
         float* og = outp + t * H * D + (h * G + g) * D;
@@ -453,8 +437,8 @@ static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots,
     // Rows that start at the same slot (one sequence's tree or draft rows) read the same K/V. Fused, their
     // shared keys are read block by block for all of them (attend_run; 30 layers, 1,000 positions, K/V evicted
     // between calls as a model's weights evict them: 2 / 4 / 8 / 16 rows 3.26 / 4.14 / 5.96 / 10.35 -> 2.87 /
-    // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (the int8 cache, prompts), their tasks go
-    // head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while every
+    // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (prompts; the int8 cache read in
+    // registers on AVX-512), their tasks go head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while every
     // row of the run reads them, instead of each row pulling all heads' K/V through L3 (16 rows at 1,024
     // positions: 13.8 -> 10.7 ms). Other rows go chunk by chunk, the KV heads of one chunk neighbouring tasks, so
     // a thread usually takes all of them and the 2nd and 3rd head find the chunk's lines (rows hold every head:

@@ -8,14 +8,17 @@
 #include <numeric>
 #include <vector>
 
+#include "attend_run.h"
 #include "attention_rows.h"
 #include "ops.h"
+#include "row_buffer.h"
 
 // ---------------------------------------------------------------------------------------------- int8 KV cache
 // The cache of layers/kv_quant.py: rows int8 [slots, Hkv, D], one float16 scale per 16 channels [slots, Hkv, D/16],
 // in a rotated (keys: shifted and smoothed) basis that the caller maps queries into and outputs out of. Attention
-// reads each chunk of a row's slots as int8 and rebuilds the rows in registers (attend_chunk_i8; other head shapes
-// dequantise the chunk into an L2-resident scratch and run the float chunk routine): the long context is read from
+// reads each chunk of a row's slots as int8: the common head shapes on AVX-512 rebuild the rows in registers
+// (attend_chunk_i8), every other build dequantises a task's keys into an L2-resident scratch and runs the float
+// cache's routines there (attend_run_i8), a tree's shared keys once for all its rows. The long context is read from
 // memory as int8 (~3.6x fewer bytes than float32), every row goes through chunks + merge (one chunk for short
 // rows), and nothing depends on the other rows of the call.
 
@@ -79,9 +82,9 @@ static inline void load_row_i8(const int8_t* codes, const at::Half* scales, __m5
                            _mm512_set1_ps(sc[c]));
 }
 
-// attend_chunk straight from the int8 cache (no dequantised scratch): G query heads q [G, D] of KV head h over
+// One row's chunk straight from the int8 cache (no dequantised scratch): G query heads q [G, D] of KV head h over
 // the rows slots[0 .. n), D = 16 NG. Scores four keys at a time (hsum4), then the same exp_scores, then each V row
-// rebuilt once in registers for all G heads. part: G records [m, s, o[0 .. D)], as attend_chunk's.
+// rebuilt once in registers for all G heads. part: G records [m, s, o[0 .. D)], as a chunked row's in attend_keys.
 template <int NG, int G>
 static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks, const int8_t* vd,
                             const at::Half* vs, const int64_t* slots, int64_t n, int64_t Hkv, int64_t h,
@@ -142,7 +145,7 @@ static void attend_chunk_i8(const float* q, const int8_t* kd, const at::Half* ks
     for (int c = 0; c < NG; ++c) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * c, o[g][c]);
 }
 
-// the fused chunk routine for this shape, or nullptr (then: dequantise into a scratch and attend_chunk)
+// the in-register chunk routine for this shape, or nullptr (then: attend_run_i8 through a scratch)
 template <int NG, int G>
 struct ChunkI8Pick {
   static constexpr auto fn = attend_chunk_i8<NG, G>;
@@ -155,6 +158,54 @@ typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const in
                           const int64_t*, int64_t, int64_t, int64_t, float, float*, std::vector<float>&);
 static ChunkI8Fn chunk_i8_for(int64_t, int64_t) { return nullptr; }
 #endif
+
+// The int8 planes one call reads
+struct Int8Planes {
+  const int8_t *kd, *vd;
+  const at::Half *ks, *vs;
+};
+
+// A thread's buffers across its tasks: scores, the run's meta, the dequantised K and V rows, their indices
+struct ScratchI8 {
+  std::vector<float> buf;
+  RowBuffer<float> k, v;
+  std::vector<int64_t> meta, index, own_at;
+};
+
+// One task over the int8 cache: the run's keys dequantised into [n, D] scratches, the shared ones once for every
+// row of the run and then each row's own, and attended there by the float cache's routines (attend_keys). The
+// values attended are those the int8 rows stand for, in the same order as a row alone, so the bits are the same
+// as the row's alone.
+static void attend_run_i8(const RowsCall& x, const RowTask& task, const Int8Planes& p, ScratchI8& sc) {
+  const RunKeys keys = run_keys(x, task, sc.buf, sc.meta);
+  const int64_t nr = task.r1 - task.r0, D = x.D, h = task.head, Hkv = x.Hkv;
+  auto own_slots = [&](int64_t i) { return x.slots + x.span[2 * (task.r0 + i)] + keys.s; };
+  sc.own_at.resize(nr);
+  int64_t n = keys.s - keys.a;
+  for (int64_t i = 0; i < nr; ++i) {
+    sc.own_at[i] = n;
+    n += sc.meta[3 * i] - keys.s;
+  }
+  if (int64_t(sc.k.size()) < n * D) {
+    sc.k.resize(n * D);
+    sc.v.resize(n * D);
+  }
+  if (int64_t(sc.index.size()) < n) {
+    sc.index.resize(n);
+    std::iota(sc.index.begin(), sc.index.end(), 0);
+  }
+  const int64_t* shared = x.slots + x.span[2 * task.r0] + keys.a;
+  dequant_rows(p.kd, p.ks, shared, keys.s - keys.a, Hkv, h, D, sc.k.data());
+  dequant_rows(p.vd, p.vs, shared, keys.s - keys.a, Hkv, h, D, sc.v.data());
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t m = sc.meta[3 * i] - keys.s;
+    dequant_rows(p.kd, p.ks, own_slots(i), m, Hkv, h, D, sc.k.data() + sc.own_at[i] * D);
+    dequant_rows(p.vd, p.vs, own_slots(i), m, Hkv, h, D, sc.v.data() + sc.own_at[i] * D);
+  }
+  const int64_t* index = sc.index.data();
+  auto own = [&](int64_t i) { return index + sc.own_at[i]; };
+  attend_keys(x, task, keys, sc.meta, sc.k.data(), sc.v.data(), D, index, own, sc.buf);
+}
 
 void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale, torch::Tensor v_data,
                        torch::Tensor v_scale, torch::Tensor rows, torch::Tensor spans, torch::Tensor slots,
@@ -172,38 +223,33 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows_i8");
-  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, true, false);
-  std::vector<float> parts(tasks.first_part[R] * G * (D + 2));
-  std::vector<int64_t> identity(std::min(kLongRow, pairs + 1));
-  std::iota(identity.begin(), identity.end(), 0);
+  // The common shapes on AVX-512 read the int8 rows in registers, task by task, each row alone. Elsewhere the
+  // keys go through a scratch, and a tree's rows (or a prompt's causal neighbours) are fused: their shared keys
+  // dequantised and read once for all of them, as the float cache's runs read theirs in place.
+  const ChunkI8Fn in_registers = chunk_i8_for(D, G);
+  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, true, in_registers == nullptr);
+  RowBuffer<float> parts(tasks.first_part[R] * G * (D + 2));  // every record is written by its task
   const float* qp = q.data_ptr<float>();
-  const int8_t* kd = k_data.data_ptr<int8_t>();
-  const int8_t* vd = v_data.data_ptr<int8_t>();
-  const at::Half* ks = k_scale.data_ptr<at::Half>();
-  const at::Half* vs = v_scale.data_ptr<at::Half>();
+  const Int8Planes planes{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(),
+                          v_scale.data_ptr<at::Half>()};
+  const RowsCall call{qp, nullptr, nullptr, rp, span, sp, H, G, D, Hkv, float(scale), out.data_ptr<float>(),
+                      parts.data(), tasks.first_part.data()};
   const int64_t num_tasks = int64_t(tasks.tasks.size()), work = pairs * H;
-  const ChunkI8Fn fused = chunk_i8_for(D, G);  // the common shapes read the int8 rows in registers
   at::parallel_for(0, num_tasks, work >= kParallelScores ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf, kbuf, vbuf;
+    ScratchI8 sc;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = tasks.tasks[task].r0, h = tasks.tasks[task].head, c = tasks.tasks[task].chunk, t = rp[r];
-      const int64_t n = span[2 * r + 1] - span[2 * r];
-      const Chunking ch = chunking(n);
-      const int64_t j0 = c * ch.len, m = std::min(ch.len, n - j0);
-      float* part = parts.data() + (tasks.first_part[r] + h * ch.count + c) * G * (D + 2);
-      if (fused != nullptr) {
-        fused(qp + t * H * D + h * G * D, kd, ks, vd, vs, sp + span[2 * r] + j0, m, Hkv, h, float(scale), part, buf);
+      const RowTask& t = tasks.tasks[task];
+      if (in_registers == nullptr) {
+        attend_run_i8(call, t, planes, sc);
         continue;
       }
-      if (int64_t(kbuf.size()) < m * D) {
-        kbuf.resize(m * D);
-        vbuf.resize(m * D);
-      }
-      dequant_rows(kd, ks, sp + span[2 * r] + j0, m, Hkv, h, D, kbuf.data());
-      dequant_rows(vd, vs, sp + span[2 * r] + j0, m, Hkv, h, D, vbuf.data());
-      attend_chunk(qp + t * H * D + h * G * D, kbuf.data(), vbuf.data(), identity.data(), m, G, D, D, float(scale),
-                   part, buf);
+      const int64_t r = t.r0, n = span[2 * r + 1] - span[2 * r];
+      const Chunking ch = chunking(n);
+      const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
+      float* part = parts.data() + (tasks.first_part[r] + t.head * ch.count + t.chunk) * G * (D + 2);
+      in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
+                   sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), part, sc.buf);
     }
   });
-  merge_chunks(parts, tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
+  merge_chunks(parts.data(), tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
 }

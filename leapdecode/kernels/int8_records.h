@@ -11,6 +11,7 @@
 
 #include "block_formats.h"
 #include "few_rows.h"
+#include "row_buffer.h"
 
 // ---------------------------------------------------------------------------------------------------------------
 // int8 activations (opt-in, lossy): llama.cpp's arithmetic for Q4_1 / Q8_0 weights. Each row of x is quantised
@@ -97,24 +98,6 @@ inline int a8_q6k_code(const uint8_t* codes, int j, int t) {
   return low | (((codes[256 + 64 * (t / 16) + 4 * j + t % 4] >> (2 * ((t % 16) / 4))) & 3) << 4);
 }
 
-// std::allocator, except that a value-initialised element is left unwritten: quantize_rows writes every element
-// of its vectors, and zeroing the codes first was the step's only memset (0.6% of a 16-row int8 step's samples)
-template <class T>
-struct UninitAllocator : std::allocator<T> {
-  template <class U>
-  struct rebind {
-    using other = UninitAllocator<U>;
-  };
-  UninitAllocator() = default;
-  template <class U>
-  UninitAllocator(const UninitAllocator<U>&) noexcept {}
-  template <class U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-};
-template <class T>
-using RowBuffer = std::vector<T, UninitAllocator<T>>;
 
 struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
   RowBuffer<int8_t> q;
