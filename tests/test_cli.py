@@ -103,6 +103,22 @@ def test_bench_writes_tables(tiny_model_dir, tmp_path, capsys):
     assert "| system | method |" in md and "| warm |" in md
 
 
+def test_bench_runs_every_engine_on_the_kv_cache_it_is_given(tiny_model_dir, tmp_path, capsys):
+    """--kv-cache-dtype int8: the rows are compared with plain decoding over the same (lossy) cache, and the
+    header names the cache."""
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [f"Repeat this: {i} apples, {i} pears."]}) for i in range(2)))
+    out = tmp_path / "res"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--num-prompts", "2",
+                 "--max-tokens", "8", "--methods", "none,ngram", "--no-batched", "--kv-cache-dtype", "int8",
+                 "--out", str(out)]) == 0
+    ngram = next(r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if r["method"] == "ngram")
+    assert ngram["identical"] == "2/2"
+    assert "int8 cache" in out.with_suffix(".md").read_text()
+    assert main(["bench", "--report", str(tmp_path / "rep"), "--kv-cache-dtype", "int8"]) != 0
+    assert "--report does not take --kv-cache-dtype" in capsys.readouterr().err
+
+
 def test_distill_data_refuses_mt_bench_and_resumes(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="MT-Bench"):
         from leapdecode.train.distill import load_training_prompts

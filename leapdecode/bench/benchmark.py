@@ -27,6 +27,7 @@ from leapdecode.bench.report import add_report_args, check_report_args, cmd_repo
 from leapdecode.bench.report_plots import pyplot
 from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio, warm_up
 from leapdecode.cli_args import add_tensor_parallel_arg
+from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
 from leapdecode.eval.prompts import load_prompt_set
@@ -278,7 +279,7 @@ def bench_header(args: argparse.Namespace, num_prompts: int, command: str, base:
         f"kernel formats {packed_formats(eng.model) or 'none (torch linear)'}{_amx_note(eng.model)})",
         f"- measured read bandwidth: {bw:.1f} GB/s (sum over a 512 MB buffer)",
         f"- leapdecode load: {load_s:.2f} s; peak RSS after load and one request: {peak_mb:.0f} MiB (KV pool "
-        f"{eng.kv_cache.nbytes / 2**20:.0f} MiB)",
+        f"{eng.kv_cache.nbytes / 2**20:.0f} MiB, {args.kv_cache_dtype} cache)",
         "",
     ]
 
@@ -310,7 +311,8 @@ def method_engines(base: LLM, args: argparse.Namespace, kernels: list[str], meth
     for kernel in kernels:
         kbase = base if kernel == kernels[0] else LLM(model=args.model, dtype=args.dtype, device=args.device,
                                                       max_num_seqs=base.engine.config.max_num_seqs,
-                                                      linear_kernel=kernel, num_threads=args.threads)
+                                                      linear_kernel=kernel, num_threads=args.threads,
+                                                      kv_cache_dtype=args.kv_cache_dtype)
         if kbase is not base:
             warm_up(kbase, *warm)
         tag = "" if kernel == kernels[0] else kernel
@@ -418,7 +420,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--tensor-parallel-size > 1 benchmarks plain decoding with one kernel (--methods none): "
                          "the other rows share the first engine's weights, which live in its worker processes")
     base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
-               linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
+               linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,
+               kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t_load
     eng = base.engine
     prompts_ids = prompt_token_ids(base, prompts, args.raw, args.max_prompt_tokens)
@@ -515,6 +518,10 @@ def add_cli(sub) -> None:
     p.add_argument("--linear-kernels", default="auto",
                    help="comma list of linear_kernel settings, each run with every method in its own engine, e.g. "
                    "'auto,packed-int8act' (int8 activations: lossy against float32, opt-in)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="every engine's KV cache, as serve's flag: auto (the model dtype), float32, float16, "
+                   "bfloat16, or int8 (quantized on write: lossy, so rows compare with plain decoding over the same "
+                   "cache)")
     p.add_argument("--ceiling", action="store_true",
                    help="time the target's step by verified rows and give each batch-1 row the speedup its "
                    "acceptance would reach if drafting were free (mean accepted x t(1) / t(rows)): whether a "

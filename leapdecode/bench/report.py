@@ -251,6 +251,8 @@ def check_report_args(args: argparse.Namespace) -> None:
     ignored = [flag for dest, flag in NOT_WITH_REPORT.items() if getattr(args, dest)]
     if args.linear_kernels != "auto":
         ignored.append("--linear-kernels")
+    if args.kv_cache_dtype != "auto":
+        ignored.append("--kv-cache-dtype")
     if ignored:
         raise ValueError(f"--report does not take {', '.join(ignored)} (the report runs every method's default "
                          "configuration on chat-templated prompts; see leapdecode bench --help)")
