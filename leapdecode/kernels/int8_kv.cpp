@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "few_rows.h"
 #include "ops.h"
 #include "vec_math.h"
 
@@ -42,34 +43,37 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
   const float* rot = rotation.numel() ? rotation.data_ptr<float>() : nullptr;
   int8_t* dp = data.data_ptr<int8_t>();
   at::Half* scp = scale.data_ptr<at::Half>();
-  std::vector<float> y(D), z(D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* xr = xp + (t * Hkv + h) * D;
-      for (int64_t i = 0; i < D; ++i) {
-        float v = xr[i];
-        if (mu) v -= mu[h * D + i];
-        if (sm) v /= sm[h * D + i];
-        y[i] = v;
-      }
-      if (rot) {
-        row_times(y.data(), rot, z.data(), D);
-      } else {
-        z = y;
-      }
-      const int64_t base = sp[t] * Hkv + h;
-      for (int64_t c = 0; c < NG; ++c) {
-        float amax = 0.f;
-        for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(z[16 * c + i]));
-        const at::Half sh = at::Half(std::min(amax / 127.f, 65504.f));
-        scp[base * NG + c] = sh;
-        const float sf = std::max(static_cast<float>(sh), 1e-12f);
-        for (int64_t i = 0; i < 16; ++i) {
-          const float qv = std::nearbyint(z[16 * c + i] / sf);
-          dp[base * D + 16 * c + i] = int8_t(std::max(-127.f, std::min(127.f, qv)));
+  // a prompt's rows on every thread (each row's result is its own; its slot is written by its row alone)
+  over_rows(T, [&](int64_t t0, int64_t t1) {
+    std::vector<float> y(D), z(D);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* xr = xp + (t * Hkv + h) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          float v = xr[i];
+          if (mu) v -= mu[h * D + i];
+          if (sm) v /= sm[h * D + i];
+          y[i] = v;
+        }
+        if (rot) {
+          row_times(y.data(), rot, z.data(), D);
+        } else {
+          z = y;
+        }
+        const int64_t base = sp[t] * Hkv + h;
+        for (int64_t c = 0; c < NG; ++c) {
+          float amax = 0.f;
+          for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(z[16 * c + i]));
+          const at::Half sh = at::Half(std::min(amax / 127.f, 65504.f));
+          scp[base * NG + c] = sh;
+          const float sf = std::max(static_cast<float>(sh), 1e-12f);
+          for (int64_t i = 0; i < 16; ++i) {
+            const float qv = std::nearbyint(z[16 * c + i] / sf);
+            dp[base * D + 16 * c + i] = int8_t(std::max(-127.f, std::min(127.f, qv)));
+          }
         }
       }
-    }
+  });
 }
 
 // Rows x [T, H, D] into / out of an int8 plane's basis in one call: y = (x * s) @ R, or y = x @ R^T with
@@ -94,17 +98,19 @@ torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor r
   const float* sp = sm.numel() ? sm.data_ptr<float>() : nullptr;
   const int64_t G = sm.numel() ? H / sm.size(0) : 1;
   float* yp = y.data_ptr<float>();
-  std::vector<float> xs(D);
-  for (int64_t row = 0; row < T * H; ++row) {
-    const float* xr = xp + row * D;
-    const float* s = sp ? sp + ((row % H) / G) * D : nullptr;
-    for (int64_t i = 0; i < D; ++i) xs[i] = s ? xr[i] * s[i] : xr[i];
-    float* yr = yp + row * D;
-    if (rp) {
-      row_times(xs.data(), rp, yr, D);
-    } else {
-      for (int64_t j = 0; j < D; ++j) yr[j] = xs[j];
+  over_rows(T, [&](int64_t t0, int64_t t1) {  // a prompt's rows on every thread
+    std::vector<float> xs(D);
+    for (int64_t row = t0 * H; row < t1 * H; ++row) {
+      const float* xr = xp + row * D;
+      const float* s = sp ? sp + ((row % H) / G) * D : nullptr;
+      for (int64_t i = 0; i < D; ++i) xs[i] = s ? xr[i] * s[i] : xr[i];
+      float* yr = yp + row * D;
+      if (rp) {
+        row_times(xs.data(), rp, yr, D);
+      } else {
+        for (int64_t j = 0; j < D; ++j) yr[j] = xs[j];
+      }
     }
-  }
+  });
   return y;
 }
