@@ -157,6 +157,19 @@ def test_int8_attention_rows_match_sdpa_over_the_dequantized_cache(lengths: list
         assert torch.equal(alone[r], out[r])
 
 
+def test_int8_attention_rows_take_heads_wider_than_256() -> None:
+    """A head of 512 channels has 32 scales per row: dequantised 16 at a time (a fixed 16-scale buffer overran)."""
+    g = torch.Generator().manual_seed(512)
+    kernel, k_plane, v_plane, k_ref, v_ref = _cache_pair("int8", 64, 1, 512, g)
+    q = torch.randn(2, 2, 512, generator=g)
+    slots = torch.randperm(64, generator=g)[:45]
+    out = torch.empty_like(q)
+    kernel(q, k_plane, v_plane, torch.arange(2), torch.tensor([[0, 5], [5, 45]]), slots, 512**-0.5, out)
+    for r, (a, b) in enumerate([(0, 5), (5, 45)]):
+        torch.testing.assert_close(out[r], _reference(q[r], k_ref, v_ref, slots[a:b], 512**-0.5, 2), rtol=1e-5,
+                                   atol=2e-6)
+
+
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_int8_quantize_on_write_matches_the_torch_definition(calibrated: bool) -> None:
     """quantize_kv_rows is kv_quant's write in one call: same scales, int8 values off by at most one step where the

@@ -59,8 +59,12 @@ static void dequant_rows(const int8_t* data, const at::Half* scale, const int64_
   for (int64_t j = 0; j < n; ++j) {
     const int64_t base = slots[j] * Hkv + h;
     if (j + 4 < n) __builtin_prefetch(data + (slots[j + 4] * Hkv + h) * D);
-    half4_to_float(scale + base * NG, NG, sc);
-    for (int64_t c = 0; c < NG; ++c) dequant16(data + base * D + 16 * c, sc[c], out + j * D + 16 * c);
+    for (int64_t c0 = 0; c0 < NG; c0 += 16) {  // 16 scales (256 channels) at a time
+      const int64_t nc = std::min<int64_t>(16, NG - c0);
+      half4_to_float(scale + base * NG + c0, nc, sc);
+      for (int64_t c = 0; c < nc; ++c)
+        dequant16(data + base * D + 16 * (c0 + c), sc[c], out + j * D + 16 * (c0 + c));
+    }
   }
 }
 
