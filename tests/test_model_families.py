@@ -133,10 +133,13 @@ def test_quantized_gguf_runs_from_its_blocks(family_dirs, tmp_path, family: str)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("family", NAMES)
-def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monkeypatch, family: str) -> None:
+def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monkeypatch, family: str,
+                                                             kv_dtype: torch.dtype) -> None:
     """Decode and verification steps run every layer in one C++ call (decoder_stack: Llama's layout, or the
-    normed one of Qwen3 and Gemma 3 with its global and windowed layers); the logits are the per-op path's bits."""
+    normed one of Qwen3 and Gemma 3 with its global and windowed layers, over a float32 or an int8 cache); the
+    logits are the per-op path's bits."""
     if extension.load_kernel() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     model, cfg = load_model(family_dirs[family], keep_blocks=False)
@@ -150,7 +153,7 @@ def test_the_fused_layer_stack_equals_the_per_op_path_bitwise(family_dirs, monke
     for fused in (True, False):
         for layer in model.layers:
             layer.use_kernel = fused
-        runner = ModelRunner(model, KVCache(cfg, 64, 4, torch.float32, torch.device("cpu")), 4, torch.device("cpu"))
+        runner = ModelRunner(model, KVCache(cfg, 64, 4, kv_dtype, torch.device("cpu")), 4, torch.device("cpu"))
         bm = BlockManager(64, 4, enable_prefix_caching=False)
         outs.append(_run_schedule(runner, bm, [tokens], steps)[0])
         assert len(calls) == 15

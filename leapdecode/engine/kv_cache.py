@@ -124,10 +124,11 @@ class KVCache:
             self.key_shift = torch.zeros(layers, heads, dim, device=device)
             self.key_smooth = torch.ones(layers, heads, dim, device=device)
             pool, sc, rot = self.pool, self.scales, self.rotation
+            rot_t = rot.T.contiguous()
             self.layers = [
                 (
-                    QuantizedKV(pool[i, 0], sc[i, 0], rot, self.key_shift[i], self.key_smooth[i]),
-                    QuantizedKV(pool[i, 1], sc[i, 1], rot),
+                    QuantizedKV(pool[i, 0], sc[i, 0], rot, self.key_shift[i], self.key_smooth[i], rot_t),
+                    QuantizedKV(pool[i, 1], sc[i, 1], rot, rotation_t=rot_t),
                 )
                 for i in range(layers)
             ]

@@ -39,7 +39,8 @@ class StackWeights:
 @dataclass
 class LayerStack:
     """One step's :func:`decoder_stack` arguments: the weights, and this step's caches -- 2 float32 tensors (K, V)
-    or 4 int8 planes (k data, k scales, v data, v scales) per layer, with 4 transforms per layer for int8."""
+    or 4 int8 planes (k data, k scales, v data, v scales) per layer, with 5 transforms per layer for int8
+    (models/llama.py ``fused_kv``)."""
 
     weights: StackWeights
     caches: list[torch.Tensor]

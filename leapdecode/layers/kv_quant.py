@@ -152,6 +152,7 @@ class QuantizedKV:
         rotation: torch.Tensor | None = None,
         shift: torch.Tensor | None = None,
         smooth: torch.Tensor | None = None,
+        rotation_t: torch.Tensor | None = None,
     ) -> None:
         if data.dtype != torch.int8 or data.dim() != 3 or scale.shape[:-1] != data.shape[:-1]:
             raise ValueError("QuantizedKV needs int8 data [slots, heads, dim] and scale [slots, heads, groups]")
@@ -163,6 +164,10 @@ class QuantizedKV:
             if t is not None and t.shape != data.shape[1:]:
                 raise ValueError(f"{name} must be [kv_heads, head_dim] = {list(data.shape[1:])}")
         self.data, self.scale, self.rotation = data, scale, rotation
+        # R^T, contiguous, for the outputs' way back (unrotate): given by a cache whose planes share one R, else made
+        if rotation is not None and rotation_t is None:
+            rotation_t = rotation.T.contiguous()
+        self.rotation_t = rotation_t
         self.shift, self.smooth = shift, smooth
         # calibration: while a dict, write() accumulates per-channel statistics of the rows it is given
         self.observed: dict[str, torch.Tensor] | None = None
@@ -199,7 +204,7 @@ class QuantizedKV:
         if self.rotation is None:
             return x
         if int8_kv.int8_kv_kernels(self) and x.dtype == torch.float32 and x.dim() == 3:
-            return int8_kv.rotate_rows(x, None, self.rotation, transpose=True)
+            return int8_kv.rotate_rows(x, None, self.rotation_t, transpose=False)
         return (x.float() @ self.rotation.T).to(x.dtype)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:

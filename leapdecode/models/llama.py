@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the one-layer C++ call (decoder_layer) computes Llama's layout with SiLU; the stack (decoder_stack) also
-        # the normed layout: q/k norms, the norms around each block, GeGLU (float32 caches)
+        # the normed layout: q/k norms, the norms around each block, GeGLU (over float or int8 caches)
         self.normed = cfg.sandwich_norms or cfg.qk_norm or cfg.hidden_act != "silu"
         self.fusable = not self.normed
         self.use_kernel = False  # set by kernel_plan.apply_plan when every part of the layer has its kernel
@@ -180,8 +180,9 @@ class DecoderLayer(nn.Module):
 def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """One layer's KV cache as the C++ layer takes it, or None when that layer must run op by op: a float32,
     bfloat16 or float16 cache is ``([K, V], [])``; an int8 cache the C++ ops serve, once it no longer observes keys
-    for calibration, is its four planes ``[k data, k scales, v data, v scales]`` and four transforms ``[k shift,
-    k smooth, k rotation, v rotation]`` (empty = identity). Shared by the per-layer call and the whole-stack call,
+    for calibration, is its four planes ``[k data, k scales, v data, v scales]`` and five transforms ``[k shift,
+    k smooth, k rotation, v rotation, v rotation transposed]`` (empty = identity). Shared by the per-layer call and
+    the whole-stack call,
     so both take the fused path for exactly the same caches."""
     k, v = kv
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
@@ -190,7 +191,8 @@ def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
             and int8_kv.int8_kv_kernels(k)):
         return None
     empty = k.scale.new_empty(0, dtype=torch.float32)
-    transforms = [empty if a is None else a.contiguous() for a in (k.shift, k.smooth, k.rotation, v.rotation)]
+    transforms = [empty if a is None else a.contiguous()
+                  for a in (k.shift, k.smooth, k.rotation, v.rotation, v.rotation_t)]
     return [k.data, k.scale, v.data, v.scale], transforms
 
 
@@ -281,8 +283,6 @@ class LlamaForCausalLM(nn.Module):
         planes = [fused_kv(kv_caches[i]) for i in run]
         if any(p is None for p in planes) or len({bool(p[1]) for p in planes}) != 1:  # type: ignore[index]
             return None  # a layer that must run op by op, or float32 and int8 layers mixed
-        if weights.norms and planes[0][1]:  # type: ignore[index]
-            return None  # the normed layout runs over float caches only (float32, bfloat16, float16)
         return decoder_stack.LayerStack(weights, [c for p in planes for c in p[0]],  # type: ignore[index]
                                      [t for p in planes for t in p[1]],  # type: ignore[index]
                                      next(iter(windows - {None}), None))
