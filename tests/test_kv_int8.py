@@ -95,6 +95,21 @@ def test_plane_write_read(rotate):
     assert plane.read_range(9, 3, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_a_plane_keeps_its_rotations_transpose():
+    """unrotate maps outputs back with R^T, made once: the cache's planes share one copy, a lone plane makes its own,
+    and a transpose without its rotation (or of the wrong size) is refused."""
+    i8 = KVCache(SMOL, 4, 16, torch.int8, torch.device("cpu"))
+    v0, k1 = i8.layers[0][1], i8.layers[1][0]
+    assert torch.equal(v0.rotation_t, i8.rotation.T) and v0.rotation_t is k1.rotation_t
+    data, scale = torch.zeros(8, 2, 16, dtype=torch.int8), torch.zeros(8, 2, 1, dtype=torch.float16)
+    alone = QuantizedKV(data, scale, rotation_matrix(16))
+    assert torch.equal(alone.rotation_t, alone.rotation.T) and alone.rotation_t.is_contiguous()
+    with pytest.raises(ValueError, match="give the rotation too"):
+        QuantizedKV(data, scale, rotation_t=rotation_matrix(16))
+    with pytest.raises(ValueError, match="rotation_t must be"):
+        QuantizedKV(data, scale, rotation_matrix(16), rotation_t=rotation_matrix(8))
+
+
 def test_pool_layout_and_bytes():
     f32 = KVCache(SMOL, 4, 16, torch.float32, torch.device("cpu"))
     i8 = KVCache(SMOL, 4, 16, torch.int8, torch.device("cpu"))

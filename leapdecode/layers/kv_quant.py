@@ -158,8 +158,11 @@ class QuantizedKV:
             raise ValueError("QuantizedKV needs int8 data [slots, heads, dim] and scale [slots, heads, groups]")
         if data.shape[-1] % scale.shape[-1]:
             raise ValueError(f"{scale.shape[-1]} scale groups do not divide head_dim {data.shape[-1]}")
-        if rotation is not None and rotation.shape != (data.shape[-1],) * 2:
-            raise ValueError(f"rotation must be [{data.shape[-1]}, {data.shape[-1]}]")
+        for name, r in (("rotation", rotation), ("rotation_t", rotation_t)):
+            if r is not None and r.shape != (data.shape[-1],) * 2:
+                raise ValueError(f"{name} must be [{data.shape[-1]}, {data.shape[-1]}]")
+        if rotation_t is not None and rotation is None:
+            raise ValueError("rotation_t is the rotation's transpose: give the rotation too")
         for name, t in (("shift", shift), ("smooth", smooth)):
             if t is not None and t.shape != data.shape[1:]:
                 raise ValueError(f"{name} must be [kv_heads, head_dim] = {list(data.shape[1:])}")
