@@ -2,9 +2,6 @@
 // int8_gemm.cpp (VNNI / AVX2 / portable kernels) and amx_int8.cpp (AMX tiles) share.
 #pragma once
 #include <cstdint>
-#include <memory>
-#include <new>
-#include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -97,7 +94,6 @@ inline int a8_q6k_code(const uint8_t* codes, int j, int t) {
   const int low = (t % 8) < 4 ? (pair & 15) : (pair >> 4);
   return low | (((codes[256 + 64 * (t / 16) + 4 * j + t % 4] >> (2 * ((t % 16) / 4))) & 3) << 4);
 }
-
 
 struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
   RowBuffer<int8_t> q;

@@ -182,8 +182,7 @@ def fused_kv(kv) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     bfloat16 or float16 cache is ``([K, V], [])``; an int8 cache the C++ ops serve, once it no longer observes keys
     for calibration, is its four planes ``[k data, k scales, v data, v scales]`` and five transforms ``[k shift,
     k smooth, k rotation, v rotation, v rotation transposed]`` (empty = identity). Shared by the per-layer call and
-    the whole-stack call,
-    so both take the fused path for exactly the same caches."""
+    the whole-stack call, so both take the fused path for exactly the same caches."""
     k, v = kv
     if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         return ([k, v], []) if k.dtype == v.dtype and k.dtype in ROWS_KERNEL_DTYPES else None
