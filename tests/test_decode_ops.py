@@ -91,7 +91,8 @@ def test_attention_rows_match_sdpa_and_do_not_depend_on_each_other(
 
 @pytest.mark.parametrize("context", [100, 700, 1030])  # one piece; two chunks; three chunks
 @pytest.mark.parametrize("head_dim,group,cache", [(64, 3, "float32"), (64, 2, "float32"), (64, 4, "float32"),
-                                                  (24, 3, "float32"), (64, 3, "int8"), (32, 2, "int8")])
+                                                  (24, 3, "float32"), (64, 3, "int8"), (128, 2, "int8"),
+                                                  (32, 2, "int8")])
 def test_tree_rows_share_their_context_and_each_matches_its_row_alone(context: int, head_dim: int, group: int,
                                                                       cache: str) -> None:
     """A tree's rows (each: the sequence's context, then its ancestors and itself) read the shared context once for

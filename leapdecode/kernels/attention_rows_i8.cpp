@@ -163,6 +163,10 @@ typedef void (*ChunkI8Fn)(const float*, const int8_t*, const at::Half*, const in
 static ChunkI8Fn chunk_i8_for(int64_t, int64_t) { return nullptr; }
 #endif
 
+// the fewest rows of a fused run (a tree's, or a prompt's neighbours) for which attend_run_i8's shared scratch
+// pays where the rows could each read their keys in registers instead
+constexpr int64_t kRunRowsI8 = 8;
+
 // The int8 planes one call reads
 struct Int8Planes {
   const int8_t *kd, *vd;
@@ -227,11 +231,11 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t pairs = check_rows(rows, spans, slots, T, num_slots, "attention_rows_i8");
-  // The common shapes on AVX-512 read the int8 rows in registers, task by task, each row alone. Elsewhere the
-  // keys go through a scratch, and a tree's rows (or a prompt's causal neighbours) are fused: their shared keys
-  // dequantised and read once for all of them, as the float cache's runs read theirs in place.
+  // A tree's rows (or a prompt's causal neighbours) are fused: their shared keys dequantised into a scratch and
+  // read once for all of them, as the float cache's runs read theirs in place. A row alone reads its keys in
+  // registers where AVX-512 has the head's shape (no scratch to write and read back), else through the scratch.
   const ChunkI8Fn in_registers = chunk_i8_for(D, G);
-  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, true, in_registers == nullptr);
+  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, true, true);
   RowBuffer<float> parts(tasks.first_part[R] * G * (D + 2));  // every record is written by its task
   const float* qp = q.data_ptr<float>();
   const Int8Planes planes{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(),
@@ -243,16 +247,18 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
     ScratchI8 sc;
     for (int64_t task = begin; task < end; ++task) {
       const RowTask& t = tasks.tasks[task];
-      if (in_registers == nullptr) {
+      if (in_registers == nullptr || t.r1 - t.r0 >= kRunRowsI8) {
         attend_run_i8(call, t, planes, sc);
         continue;
       }
-      const int64_t r = t.r0, n = span[2 * r + 1] - span[2 * r];
-      const Chunking ch = chunking(n);
-      const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
-      float* part = parts.data() + (tasks.first_part[r] + t.head * ch.count + t.chunk) * G * (D + 2);
-      in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
-                   sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), part, sc.buf);
+      for (int64_t r = t.r0; r < t.r1; ++r) {  // each row alone, its chunk's keys read in registers
+        const int64_t n = span[2 * r + 1] - span[2 * r];
+        const Chunking ch = chunking(n);
+        const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
+        float* part = parts.data() + (tasks.first_part[r] + t.head * ch.count + t.chunk) * G * (D + 2);
+        in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
+                     sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), part, sc.buf);
+      }
     }
   });
   merge_chunks(parts.data(), tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
