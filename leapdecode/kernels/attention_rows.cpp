@@ -47,7 +47,7 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   const auto run = dtype == torch::kFloat ? attend_run<float>
                    : dtype == torch::kBFloat16 ? attend_run<c10::BFloat16> : attend_run<c10::Half>;
   float* outp = out.data_ptr<float>();
-  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, false, true);
+  const RowTasks tasks = plan_row_tasks(span, sp, R, Hkv, false);
   RowBuffer<float> parts(tasks.first_part[R] * G * (D + 2));  // every record is written by its task
   const RowsCall call{qp, kp, vp, rp, span, sp, H, G, D, Hkv, float(scale), outp, parts.data(),
                       tasks.first_part.data()};

@@ -424,7 +424,7 @@ static inline int64_t common_prefix(const int64_t* a, const int64_t* b, int64_t 
 }
 
 static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots, int64_t R, int64_t Hkv,
-                                      bool chunk_all, bool fuse) {
+                                      bool chunk_all) {
   auto length = [&](int64_t r) { return span[2 * r + 1] - span[2 * r]; };
   RowTasks t;
   t.first_part.assign(R + 1, 0);
@@ -437,19 +437,17 @@ static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots,
     // Rows that start at the same slot (one sequence's tree or draft rows) read the same K/V. Fused, their
     // shared keys are read block by block for all of them (attend_run; 30 layers, 1,000 positions, K/V evicted
     // between calls as a model's weights evict them: 2 / 4 / 8 / 16 rows 3.26 / 4.14 / 5.96 / 10.35 -> 2.87 /
-    // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (prompts; the int8 cache read in
-    // registers on AVX-512), their tasks go head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a
-    // 64-wide head) stay in L2 while every row of the run reads them, instead of each row pulling all heads' K/V
+    // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (a prompt's causal rows), their tasks go
+    // head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while
+    // every row of the run reads them, instead of each row pulling all heads' K/V
     // through L3 (16 rows at 1,024 positions: 13.8 -> 10.7 ms). Other rows go chunk by chunk, the KV heads of
     // one chunk neighbouring tasks, so a thread usually takes all of them and the 2nd and 3rd head find the
     // chunk's lines (rows hold every head: [slot, Hkv, D]) still in L2.
-    for (r1 = r0 + 1; r1 < R && slots[span[2 * r1]] == slots[span[2 * r0]] &&
-                      (!fuse || geometry(r1) == geometry(r0));
-         ++r1) {
+    for (r1 = r0 + 1; r1 < R && slots[span[2 * r1]] == slots[span[2 * r0]] && geometry(r1) == geometry(r0); ++r1) {
     }
     const int64_t chunks = num_chunks(length(r0), chunk_all);
     int64_t shared = 0;
-    if (fuse && r1 - r0 > 1) {
+    if (r1 - r0 > 1) {
       shared = length(r0);
       for (int64_t r = r0 + 1; r < r1; ++r)
         shared = common_prefix(slots + span[2 * r0], slots + span[2 * r], std::min(shared, length(r)));
@@ -472,7 +470,7 @@ static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots,
       // prompt's attention, 30 layers, calls alternating with the unpaired build on Zen 3: 300 rows 1.12x, 1,000
       // rows 1.23x, same bits).
       auto pairs = [&](int64_t r) {
-        return fuse && r + 1 < r1 && span[2 * r + 2] == span[2 * r] && length(r + 1) >= length(r) &&
+        return r + 1 < r1 && span[2 * r + 2] == span[2 * r] && length(r + 1) >= length(r) &&
                length(r) >= 64 && geometry(r + 1) == geometry(r) &&
                num_chunks(length(r + 1), chunk_all) == num_chunks(length(r), chunk_all);
       };
