@@ -21,6 +21,11 @@ struct RowsCall {
   const int64_t* first_part;
 };
 
+// where row r's record for KV head h and chunk c of a chunked call goes: G records [m, s, o[0 .. D)] (merge_chunks)
+static inline float* chunk_record(const RowsCall& x, int64_t r, int64_t h, int64_t c) {
+  return x.parts + (x.first_part[r] + h * ((x.first_part[r + 1] - x.first_part[r]) / x.Hkv) + c) * x.G * (x.D + 2);
+}
+
 // The keys of a run: each row i reads positions [a, b_i) of its slot list (its chunk, or all of it), the first
 // [a, s) shared by every row of the run; meta per row: b_i, its padded score count, the offset of its scores in buf
 struct RunKeys {
@@ -92,10 +97,7 @@ static void attend_keys(const RowsCall& x, const RowTask& task, RunKeys keys, co
   if (s > a) prefetch_rows(vh, common(a), std::min(block, s - a), row, bytes);
   for (int64_t i = 0; i < nr; ++i) prefetch_rows(vh, own(i), meta[3 * i] - s, row, bytes);
   // row i's chunk record (G of [m, s, o]; chunked rows) and where its weighted sums go: its output, or the record
-  auto part = [&](int64_t i) {
-    const int64_t r = task.r0 + i;
-    return x.parts + (x.first_part[r] + h * ((x.first_part[r + 1] - x.first_part[r]) / x.Hkv) + c) * G * (D + 2);
-  };
+  auto part = [&](int64_t i) { return chunk_record(x, task.r0 + i, h, c); };
   auto dst = [&](int64_t i) { return c < 0 ? x.out + x.rows[task.r0 + i] * x.H * D + h * G * D : part(i) + 2; };
   const int64_t stride = c < 0 ? D : D + 2;
   for (int64_t i = 0; i < nr; ++i) {

@@ -256,9 +256,9 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
         const int64_t n = span[2 * r + 1] - span[2 * r];
         const Chunking ch = chunking(n);
         const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
-        float* part = parts.data() + (tasks.first_part[r] + t.head * ch.count + t.chunk) * G * (D + 2);
         in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
-                     sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), part, sc.buf);
+                     sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), chunk_record(call, r, t.head, t.chunk),
+                     sc.buf);
       }
     }
   });
