@@ -438,11 +438,11 @@ static inline RowTasks plan_row_tasks(const int64_t* span, const int64_t* slots,
     // shared keys are read block by block for all of them (attend_run; 30 layers, 1,000 positions, K/V evicted
     // between calls as a model's weights evict them: 2 / 4 / 8 / 16 rows 3.26 / 4.14 / 5.96 / 10.35 -> 2.87 /
     // 3.63 / 5.58 / 9.58 ms against the unfused order below). Unfused (a prompt's causal rows), their tasks go
-    // head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while
-    // every row of the run reads them, instead of each row pulling all heads' K/V
-    // through L3 (16 rows at 1,024 positions: 13.8 -> 10.7 ms). Other rows go chunk by chunk, the KV heads of
-    // one chunk neighbouring tasks, so a thread usually takes all of them and the 2nd and 3rd head find the
-    // chunk's lines (rows hold every head: [slot, Hkv, D]) still in L2.
+    // head by head, so one KV head's rows (~0.5 MB at 1,024 positions for a 64-wide head) stay in L2 while every
+    // row of the run reads them, instead of each row pulling all heads' K/V through L3 (16 rows at 1,024
+    // positions: 13.8 -> 10.7 ms). Other rows go chunk by chunk, the KV heads of one chunk neighbouring tasks, so
+    // a thread usually takes all of them and the 2nd and 3rd head find the chunk's lines (rows hold every head:
+    // [slot, Hkv, D]) still in L2.
     for (r1 = r0 + 1; r1 < R && slots[span[2 * r1]] == slots[span[2 * r0]] && geometry(r1) == geometry(r0); ++r1) {
     }
     const int64_t chunks = num_chunks(length(r0), chunk_all);
