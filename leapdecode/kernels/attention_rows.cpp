@@ -51,12 +51,12 @@ void attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cach
   RowBuffer<float> parts(tasks.first_part[R] * G * (D + 2));  // every record is written by its task
   const RowsCall call{qp, kp, vp, rp, span, sp, H, G, D, Hkv, float(scale), outp, parts.data(),
                       tasks.first_part.data()};
-  const int64_t num_tasks = int64_t(tasks.tasks.size());
   const int64_t work = pairs * H;  // score count
-  at::parallel_for(0, num_tasks, work >= kParallelScores ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    std::vector<int64_t> meta;
-    for (int64_t task = begin; task < end; ++task) run(call, tasks.tasks[task], buf, meta);
+  std::vector<std::vector<float>> buf(at::get_num_threads());  // per thread: scores, and the run's meta
+  std::vector<std::vector<int64_t>> meta(at::get_num_threads());
+  over_row_tasks(int64_t(tasks.tasks.size()), work >= kParallelScores, [&](int64_t begin, int64_t end) {
+    const int th = at::get_thread_num();
+    for (int64_t task = begin; task < end; ++task) run(call, tasks.tasks[task], buf[th], meta[th]);
   });
   merge_chunks(parts.data(), tasks.first_part, rp, R, Hkv, G, D, outp);  // long rows only
 }

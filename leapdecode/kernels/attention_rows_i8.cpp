@@ -243,24 +243,25 @@ void attention_rows_i8(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_sc
                           v_scale.data_ptr<at::Half>()};
   const RowsCall call{qp, nullptr, nullptr, rp, span, sp, H, G, D, Hkv, float(scale), out.data_ptr<float>(),
                       parts.data(), tasks.first_part.data()};
-  const int64_t num_tasks = int64_t(tasks.tasks.size()), work = pairs * H;
-  at::parallel_for(0, num_tasks, work >= kParallelScores ? 1 : num_tasks, [&](int64_t begin, int64_t end) {
-    ScratchI8 sc;
-    for (int64_t task = begin; task < end; ++task) {
-      const RowTask& t = tasks.tasks[task];
-      if (in_registers == nullptr || t.r1 - t.r0 >= kRunRowsI8) {
-        attend_run_i8(call, t, planes, sc);
-        continue;
-      }
-      for (int64_t r = t.r0; r < t.r1; ++r) {  // each row alone, its chunk's keys read in registers
-        const int64_t n = span[2 * r + 1] - span[2 * r];
-        const Chunking ch = chunking(n);
-        const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
-        in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
-                     sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), chunk_record(call, r, t.head, t.chunk),
-                     sc.buf);
-      }
+  // one task: a fused run of enough rows through the scratch, else each row alone (in registers where it can)
+  auto attend_task = [&](const RowTask& t, ScratchI8& sc) {
+    if (in_registers == nullptr || t.r1 - t.r0 >= kRunRowsI8) {
+      attend_run_i8(call, t, planes, sc);
+      return;
     }
+    for (int64_t r = t.r0; r < t.r1; ++r) {
+      const int64_t n = span[2 * r + 1] - span[2 * r];
+      const Chunking ch = chunking(n);
+      const int64_t j0 = t.chunk * ch.len, m = std::min(ch.len, n - j0);
+      in_registers(qp + rp[r] * H * D + t.head * G * D, planes.kd, planes.ks, planes.vd, planes.vs,
+                   sp + span[2 * r] + j0, m, Hkv, t.head, float(scale), chunk_record(call, r, t.head, t.chunk),
+                   sc.buf);
+    }
+  };
+  std::vector<ScratchI8> scratch(at::get_num_threads());
+  over_row_tasks(int64_t(tasks.tasks.size()), pairs * H >= kParallelScores, [&](int64_t begin, int64_t end) {
+    ScratchI8& sc = scratch[at::get_thread_num()];
+    for (int64_t task = begin; task < end; ++task) attend_task(tasks.tasks[task], sc);
   });
   merge_chunks(parts.data(), tasks.first_part, rp, R, Hkv, G, D, out.data_ptr<float>());
 }

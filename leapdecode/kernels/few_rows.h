@@ -59,7 +59,8 @@ static inline void over_rows(int64_t rows, F&& body) {
 // 16-row int8 step of the bundled model on Zen 3: one thread took ~13% more samples over the same panels while
 // the other waited at the join); an even split made steps 9-14% slower at 4-16 rows and 2-4% at one row, int8
 // and float32 alike (A/B alternating in one process). Each panel's result is the same whoever computes it. Shares
-// are (front | back << 32) words, so one compare-exchange settles a race between an owner and a thief.
+// are (front | back << 32) words, so one compare-exchange settles a race between an owner and a thief. The
+// attention kernels deal their tasks this way too (over_row_tasks in attention_rows.h).
 template <class F>
 static inline void over_panels(int64_t n, int64_t grain, int64_t step, F&& body) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
