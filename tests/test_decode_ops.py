@@ -274,15 +274,18 @@ def test_rope_and_silu_mul_match_torch() -> None:
     assert torch.equal(out, torch.cat([layer_ops.silu_mul(gu[i : i + 1]) for i in range(100)]))
 
 
-def test_rotate_rows_matches_the_torch_basis_change() -> None:
-    """The int8 cache's query / output basis changes in C++: (q * s) @ R per KV-head group, and o @ R^T."""
+@pytest.mark.parametrize("d", [64, 128, 24])  # 24: not whole vectors, one row at a time
+def test_rotate_rows_matches_the_torch_basis_change(d: int) -> None:
+    """The int8 cache's query / output basis changes in C++: (q * s) @ R per KV-head group, and o @ R^T; each
+    (row, head) the same bits whichever heads share its group of four (9 heads: 4 + 4 + 1 alone, across rows in
+    a batch)."""
     from leapdecode.layers.kv_quant import rotation_matrix
 
     g = torch.Generator().manual_seed(9)
-    q = torch.randn(5, 9, 64, generator=g)
-    s = torch.rand(3, 64, generator=g) + 0.5
-    r = rotation_matrix(64)
-    want = (q.view(5, 3, 3, 64) * s.unsqueeze(1)).view(5, 9, 64) @ r
+    q = torch.randn(5, 9, d, generator=g)
+    s = torch.rand(3, d, generator=g) + 0.5
+    r = rotation_matrix(d)
+    want = (q.view(5, 3, 3, d) * s.unsqueeze(1)).view(5, 9, d) @ r
     torch.testing.assert_close(int8_kv.rotate_rows(q, s, r, transpose=False), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(int8_kv.rotate_rows(q, None, r, transpose=True), q @ r.T, rtol=1e-5, atol=1e-5)
     assert torch.equal(int8_kv.rotate_rows(q, None, None, transpose=False), q)

@@ -45,34 +45,41 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
   at::Half* scp = scale.data_ptr<at::Half>();
   // a prompt's rows on every thread (each row's result is its own; its slot is written by its row alone)
   over_rows(T, [&](int64_t t0, int64_t t1) {
-    std::vector<float> y(D), z(D);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const float* xr = xp + (t * Hkv + h) * D;
+    constexpr int64_t kRows = 4;  // rows_times' group of (row, head) pairs
+    std::vector<float> y(kRows * D), z(kRows * D);
+    for (int64_t p0 = t0 * Hkv; p0 < t1 * Hkv; p0 += kRows) {
+      const int64_t n = std::min(kRows, t1 * Hkv - p0);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t h = (p0 + k) % Hkv;
+        const float* xr = xp + (p0 + k) * D;
         for (int64_t i = 0; i < D; ++i) {
           float v = xr[i];
           if (mu) v -= mu[h * D + i];
           if (sm) v /= sm[h * D + i];
-          y[i] = v;
+          y[k * D + i] = v;
         }
-        if (rot) {
-          row_times(y.data(), rot, z.data(), D);
-        } else {
-          z = y;
-        }
-        const int64_t base = sp[t] * Hkv + h;
+      }
+      if (rot) {
+        rows_times(y.data(), n, rot, z.data(), D);
+      } else {
+        std::copy(y.begin(), y.begin() + n * D, z.begin());
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        const float* zk = z.data() + k * D;
+        const int64_t t = (p0 + k) / Hkv, base = sp[t] * Hkv + (p0 + k) % Hkv;
         for (int64_t c = 0; c < NG; ++c) {
           float amax = 0.f;
-          for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(z[16 * c + i]));
+          for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(zk[16 * c + i]));
           const at::Half sh = at::Half(std::min(amax / 127.f, 65504.f));
           scp[base * NG + c] = sh;
           const float sf = std::max(static_cast<float>(sh), 1e-12f);
           for (int64_t i = 0; i < 16; ++i) {
-            const float qv = std::nearbyint(z[16 * c + i] / sf);
+            const float qv = std::nearbyint(zk[16 * c + i] / sf);
             dp[base * D + 16 * c + i] = int8_t(std::max(-127.f, std::min(127.f, qv)));
           }
         }
       }
+    }
   });
 }
 
@@ -99,16 +106,20 @@ torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor r
   const int64_t G = sm.numel() ? H / sm.size(0) : 1;
   float* yp = y.data_ptr<float>();
   over_rows(T, [&](int64_t t0, int64_t t1) {  // a prompt's rows on every thread
-    std::vector<float> xs(D);
-    for (int64_t row = t0 * H; row < t1 * H; ++row) {
-      const float* xr = xp + row * D;
-      const float* s = sp ? sp + ((row % H) / G) * D : nullptr;
-      for (int64_t i = 0; i < D; ++i) xs[i] = s ? xr[i] * s[i] : xr[i];
+    constexpr int64_t kRows = 4;  // rows_times' group
+    std::vector<float> xs(kRows * D);
+    for (int64_t row = t0 * H; row < t1 * H; row += kRows) {
+      const int64_t n = std::min(kRows, t1 * H - row);
+      for (int64_t k = 0; k < n; ++k) {
+        const float* xr = xp + (row + k) * D;
+        const float* s = sp ? sp + (((row + k) % H) / G) * D : nullptr;
+        for (int64_t i = 0; i < D; ++i) xs[k * D + i] = s ? xr[i] * s[i] : xr[i];
+      }
       float* yr = yp + row * D;
       if (rp) {
-        row_times(xs.data(), rp, yr, D);
+        rows_times(xs.data(), n, rp, yr, D);
       } else {
-        for (int64_t j = 0; j < D; ++j) yr[j] = xs[j];
+        std::copy(xs.begin(), xs.begin() + n * D, yr);
       }
     }
   });
