@@ -1,5 +1,5 @@
 // The int8 KV cache's row transforms (layers/kv_quant.py): quantize-on-write and the change of basis of queries
-// and outputs. Both go through row_times, so keys and queries change basis with the same rounding.
+// and outputs. Both go through rows_times (row_times' sums), so keys and queries change basis with the same rounding.
 #include "tensor_api.h"
 
 #include <algorithm>
