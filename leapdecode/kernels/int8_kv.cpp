@@ -45,7 +45,7 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
   at::Half* scp = scale.data_ptr<at::Half>();
   // a prompt's rows on every thread (each row's result is its own; its slot is written by its row alone)
   over_rows(T, [&](int64_t t0, int64_t t1) {
-    constexpr int64_t kRows = 4;  // rows_times' group of (row, head) pairs
+    constexpr int64_t kRows = kRowsTimesGroup;  // (row, head) pairs
     std::vector<float> y(kRows * D), z(kRows * D);
     for (int64_t p0 = t0 * Hkv; p0 < t1 * Hkv; p0 += kRows) {
       const int64_t n = std::min(kRows, t1 * Hkv - p0);
@@ -106,7 +106,7 @@ torch::Tensor rotate_rows(torch::Tensor x, torch::Tensor smooth, torch::Tensor r
   const int64_t G = sm.numel() ? H / sm.size(0) : 1;
   float* yp = y.data_ptr<float>();
   over_rows(T, [&](int64_t t0, int64_t t1) {  // a prompt's rows on every thread
-    constexpr int64_t kRows = 4;  // rows_times' group
+    constexpr int64_t kRows = kRowsTimesGroup;
     std::vector<float> xs(kRows * D);
     for (int64_t row = t0 * H; row < t1 * H; row += kRows) {
       const int64_t n = std::min(kRows, t1 * H - row);

@@ -191,10 +191,12 @@ static inline void row_times(const float* y, const float* R, float* z, int64_t D
 // AVX-512 and R past L1 (D a multiple of 16, from 128), four rows take each pass over R together, each piece of R
 // loaded once for all four: 1.45-1.55x a call at D = 128 and 256 (Zen 4); at D = 64, R stays in L1 and one row at
 // a time measured faster (0.92x grouped).
+// (kRowsTimesGroup rows a pass: callers that gather rows for it gather this many at a time)
+constexpr int64_t kRowsTimesGroup = 4;
 static inline void rows_times(const float* y, int64_t n, const float* R, float* z, int64_t D) {
   int64_t r = 0;
 #if defined(__AVX512F__)
-  constexpr int K = 4, W = 64 / kRowLanes;
+  constexpr int K = int(kRowsTimesGroup), W = 64 / kRowLanes;
   auto piece = [&](int64_t e0, auto regs) {  // outputs e0 .. e0 + kRowLanes * regs of rows r .. r + K
     constexpr int P = decltype(regs)::value;
     vrf acc[K][P] = {};
