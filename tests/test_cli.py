@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from leapdecode.cli import build_parser, main
+from leapdecode.eval.prompts import shared_data_dir
 
 
 @pytest.mark.parametrize("cmd", ["generate", "chat", "serve", "bench", "train", "plan", "train distill-data",
@@ -101,6 +102,20 @@ def test_bench_writes_tables(tiny_model_dir, tmp_path, capsys):
     assert ngram1["identical"] == "3/3"
     md = out.with_suffix(".md").read_text()
     assert "| system | method |" in md and "| warm |" in md
+
+
+@pytest.mark.skipif(not (shared_data_dir() / "code" / "humaneval.jsonl").is_file(), reason="no shared data")
+def test_bench_runs_the_agent_loop_turn_by_turn(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "loop"
+    assert main(["bench", "--model", str(tiny_model_dir), "--prompts", "agent_loop", "--num-prompts", "4",
+                 "--max-tokens", "6", "--methods", "none,suffix", "--drift", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    # two sessions (3 turns and 1): batched rows send each turn of both at once, so at most 2 requests together
+    assert {(r["method"], r["batch"]) for r in rows} == {("none", 1), ("none", 2), ("suffix", 1), ("suffix", 2)}
+    assert all(r["identical"] == "4/4" for r in rows if r["method"] == "suffix")
+    assert all(r["ppl"] > 0 for r in rows)
+    assert main(["bench", "--report", str(tmp_path / "rep"), "--prompts", "agent_loop"]) != 0
+    assert "without --report" in capsys.readouterr().err
 
 
 def test_bench_runs_every_engine_on_the_kv_cache_it_is_given(tiny_model_dir, tmp_path, capsys):

@@ -286,6 +286,10 @@ def test_greedy_suffix_is_token_identical_and_the_global_tree_helps_a_repeat(pla
     prop = spec.engine.speculator.proposer
     assert isinstance(prop, SuffixProposer) and len(prop.cache.texts) == 2 * len(SPEC_PROMPTS)
     assert not prop._requests  # per-request tries freed
+    prop.forget_requests()  # what the benchmark does between its rounds over the same prompts
+    assert not prop.cache.texts and prop.cache.num_tokens == 0 and prop.cache.trie.live_bytes() < 4096
+    assert _ids(spec.generate(SPEC_PROMPTS, params, use_tqdm=False)) == want
+    assert len(prop.cache.texts) == len(SPEC_PROMPTS)
     assert_no_leaks(spec)
     private = LLM.from_engine_of(plain, speculative_config={"method": "suffix", "use_cost_model": False,
                                                             "global_tree": False})

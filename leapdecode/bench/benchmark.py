@@ -25,12 +25,12 @@ from leapdecode.bench.hardware import machine_info, measure_bandwidth_gbps, weig
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
-from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio, warm_up
+from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio, start_cold, warm_up
+from leapdecode.bench.workload import Run, Workload, load_workload
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
-from leapdecode.eval.prompts import load_prompt_set
 from leapdecode.gc_heap import startup_heap_frozen
 from leapdecode.layers import int8_gemm
 from leapdecode.layers.small_gemm import packed_formats
@@ -42,28 +42,36 @@ from leapdecode.threads import THREADS_HELP
 BATCHED_ROUNDS = 3  # batched rows: the median of this many runs per engine, interleaved like batch-1 requests
 
 
-def run_leapdecode(engines: list[tuple[str, object]], prompts_ids: list[list[int]], params,
+def run_leapdecode(engines: list[tuple[str, object]], workload: Workload, params,
                    batched: bool) -> list[tuple[Row, Row | None]]:
-    """Batch-1 rows for every (label, LLM) in ``engines``, interleaved: prompt i runs on every engine in turn
+    """Batch-1 rows for every (label, LLM) in ``engines``, interleaved: request i runs on every engine in turn
     (starting with engine i mod n), so a slow or fast spell of a shared machine lands on all of them alike and the
-    ratios between rows hold even when absolute speed drifts. Then batched rows (all prompts at once), the median
-    of ``BATCHED_ROUNDS`` rounds over the engines in rotating order (one run each varied by +-20% here)."""
+    ratios between rows hold even when absolute speed drifts. Then batched rows (every wave of requests at once),
+    the median of ``BATCHED_ROUNDS`` rounds over the engines in rotating order (one run each varied by +-20% here).
+    Each engine's batch-1 run and each round start cold (:func:`rows.start_cold`); an agent loop's sessions go on
+    in each engine with its own answers."""
     n = len(engines)
+    runs = [Run() for _ in range(n)]
     outs: list[list] = [[] for _ in range(n)]
     wall: list[list[float]] = [[] for _ in range(n)]
-    bar = tqdm(total=n * len(prompts_ids), desc="batch 1, interleaved", leave=False)
-    for i, ids in enumerate(prompts_ids):
+    for _, llm in engines:
+        start_cold(llm)
+    bar = tqdm(total=n * workload.num_requests, desc="batch 1, interleaved", leave=False)
+    for i in range(workload.num_requests):  # numbered so that a session's turns come in order
         for j in [(i + k) % n for k in range(n)]:
+            ids = workload.prompt_ids(runs[j], i)
             t0 = time.perf_counter()
-            outs[j].append(engines[j][1].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0])
+            out = engines[j][1].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             wall[j].append(time.perf_counter() - t0)
+            outs[j].append(out)
+            workload.record(runs[j], i, out.outputs[0].text)
             bar.update(1)
     bar.close()
     brows: list[list[Row]] = [[] for _ in range(n)]
-    if batched and len(prompts_ids) > 1:  # all prompts at once, BATCHED_ROUNDS times per engine, rotating order
+    if batched and workload.batch > 1:  # every wave at once, BATCHED_ROUNDS times per engine, rotating order
         for r in tqdm(range(BATCHED_ROUNDS), desc="batched rounds", leave=False):
             for j in [(r + k) % n for k in range(n)]:
-                brows[j].append(_batched_row(engines[j][1], engines[j][0], prompts_ids, params))
+                brows[j].append(_batched_row(engines[j][1], engines[j][0], workload, params))
     result = []
     for (label, _), o, w, b in zip(engines, outs, wall, brows):
         row = _batch1_row(label, o, w)
@@ -98,12 +106,21 @@ def paired_speedup(row: Row, base: Row) -> float:
     return paired_ratio(pairs, base.paired_tok_per_s, row.tok_per_s, base.tok_per_s)
 
 
-def _batched_row(llm, label: str, prompts_ids: list[list[int]], params) -> Row:
+def _batched_row(llm, label: str, workload: Workload, params) -> Row:
+    """All requests, each wave submitted at once after the one before, started cold (the batch-1 rows and earlier
+    rounds left every prompt cached and every answer in suffix's global trie)."""
+    start_cold(llm)
+    run, outs = Run(), {}
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
+    for wave in workload.waves:
+        got = llm.generate([{"prompt_token_ids": workload.prompt_ids(run, i)} for i in wave], params, use_tqdm=False)
+        for i, o in zip(wave, got):
+            outs[i] = o
+            workload.record(run, i, o.outputs[0].text)
     w = time.perf_counter() - t0
-    tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1) for o in outs]
-    return _row(label, len(prompts_ids), outs, sum(len(o.outputs[0].token_ids) for o in outs) / w, median(tpot))
+    ordered = [outs[i] for i in range(workload.num_requests)]
+    tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) * 1e3 / max(1, len(o.outputs[0].token_ids) - 1) for o in ordered]
+    return _row(label, workload.batch, ordered, sum(len(o.outputs[0].token_ids) for o in ordered) / w, median(tpot))
 
 
 def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -> Row:
@@ -112,6 +129,7 @@ def _row(label: str, batch: int, outs: list, tok_per_s: float, tpot_ms: float) -
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     return Row("leapdecode", label, batch, len(outs), ntok, tok_per_s, median([o.metrics.ttft_s * 1e3 for o in outs]),
                tpot_ms, ntok / steps if steps else 1.0, token_ids=[o.outputs[0].token_ids for o in outs],
+               prompt_ids=[list(o.prompt_token_ids) for o in outs],
                num_lossy_tokens=sum(o.metrics.num_lossy_tokens for o in outs),
                num_draft_tokens=sum(o.metrics.num_draft_tokens for o in outs),
                routes=dict(Counter(o.metrics.route for o in outs if o.metrics.route)),
@@ -160,10 +178,10 @@ def run_prefix_reuse(llm, prefix_ids: list[list[int]], question: str) -> str:
     return "\n".join(lines)
 
 
-def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
+def add_drift(rows: list[Row], engine) -> None:
     """Fill the drift columns of every leapdecode row against plain greedy decoding at the same batch size:
     identical-prefix agreement, the share of top-choice tokens (1 - lossy tokens / output tokens) and the
-    target's perplexity of the produced text (``eval.perplexity.completion_nll``)."""
+    target's perplexity of the produced text given the prompts the row sent (``eval.perplexity.completion_nll``)."""
     ref = {r.batch: r for r in rows if r.system == "leapdecode" and r.method == "none"}
     for r in rows:
         base = ref.get(r.batch)
@@ -171,7 +189,7 @@ def add_drift(rows: list[Row], engine, prompts_ids: list[list[int]]) -> None:
             continue
         fracs = [identical_prefix(a, b) / max(1, len(b)) for a, b in zip(r.token_ids, base.token_ids)]
         r.agreement = sum(fracs) / max(1, len(fracs))
-        scored = [completion_nll(engine, p, o, top1=True) for p, o in zip(prompts_ids, r.token_ids)]
+        scored = [completion_nll(engine, p, o, top1=True) for p, o in zip(r.prompt_ids, r.token_ids)]
         r.ppl = math.exp(sum(s[0] for s in scored) / max(1, sum(s[1] for s in scored)))
         if r.kernel:  # another precision: which of its tokens the reference model would have chosen, teacher-forced
             r.top1_share = sum(s[2] for s in scored) / max(1, sum(s[1] for s in scored))
@@ -249,20 +267,6 @@ def bench_methods(spec: str, overrides: dict) -> list[str]:
     if "none" not in methods:
         methods.insert(0, "none")
     return methods
-
-
-def prompt_token_ids(llm: LLM, prompts: list[str], raw: bool, max_prompt_tokens: int | None) -> list[list[int]]:
-    """Each prompt as one user turn through the model's chat template (``raw``: plain text), cut to its last
-    ``max_prompt_tokens`` tokens."""
-    tok = llm.engine.tokenizer
-    if raw:
-        ids = [tok.encode(p) for p in prompts]
-    elif not getattr(tok, "chat_template", None):
-        raise ValueError("this model has no chat template (a base model's checkpoint often has none): run with --raw "
-                         "to send the prompts as plain text")
-    else:
-        ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    return [x[-max_prompt_tokens:] for x in ids] if max_prompt_tokens else ids
 
 
 def bench_header(args: argparse.Namespace, num_prompts: int, command: str, base: LLM, wbytes: int, bw: float,
@@ -365,7 +369,9 @@ def bench_notes(rows: list[Row], step_costs: dict[str, list[tuple[int, float]]],
         "tok/s at batch 1 is the median over requests of output tokens / end-to-end time; batch-1 requests are "
         "interleaved (each prompt runs on every engine in turn, so a slow spell of a shared machine hits all rows "
         "alike; external systems run after them). Batched rows are total output tokens / wall time with all "
-        f"requests submitted at once (median of {BATCHED_ROUNDS} rounds, engines in rotating order). "
+        f"requests submitted at once (agent_loop: each turn of every session at once, turn after turn; median of "
+        f"{BATCHED_ROUNDS} rounds, engines in rotating order). Every engine's batch-1 run and every round start "
+        "with an empty prefix cache and no earlier request's text in a drafter. "
         "speedup is against leapdecode `none` at the "
         "same batch size (the median of the two rows' tok/s ratios on the same prompt at batch 1, in the same round "
         "batched; external systems against leapdecode batch 1). weight GB/s = weight bytes per target step / "
@@ -395,7 +401,8 @@ def write_outputs(out: Path, text: str, meta: dict, rows: list[Row]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({
-        **meta, "rows": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in rows]}, indent=2))
+        **meta, "rows": [{k: v for k, v in asdict(r).items() if k not in ("token_ids", "prompt_ids")} for r in rows]},
+        indent=2))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
 
 
@@ -411,7 +418,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for c in compare:
         if c not in ("hf", "llama.cpp"):
             raise ValueError(f"--compare takes hf and/or llama.cpp, got {c!r}")
-    prompts = load_prompt_set(args.prompts, args.num_prompts)
     command = "leapdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command_line is None \
         else args.command_line
     kernels = [k.strip() for k in (args.linear_kernels or "auto").split(",") if k.strip()]
@@ -419,26 +425,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1 and (methods != ["none"] or len(kernels) > 1):
         raise ValueError("--tensor-parallel-size > 1 benchmarks plain decoding with one kernel (--methods none): "
                          "the other rows share the first engine's weights, which live in its worker processes")
-    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, len(prompts)),
+    base = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, args.num_prompts or 0),
                linear_kernel=kernels[0], num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,
                kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t_load
     eng = base.engine
-    prompts_ids = prompt_token_ids(base, prompts, args.raw, args.max_prompt_tokens)
+    workload = load_workload(base, args.prompts, args.num_prompts, args.raw, args.max_prompt_tokens)
+    first = workload.first_prompt()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    base.generate([{"prompt_token_ids": prompts_ids[0]}], params, use_tqdm=False)
+    base.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
     peak_mb = peak_rss_mb()  # load + one full request, before the bandwidth probe's buffer
     # the bandwidth probe streams 512 MB, which evicts the Q4 weights (112 MB for SmolLM2) from a large L3: probe
     # first, then warm up with one full-length request, so the first measured row does not pay for refilling the
     # caches, first-touch page faults of the KV pool or the allocator's growth
     bw = measure_bandwidth_gbps(eng.device)
-    warm_up(base, prompts_ids[0], params)
+    warm_up(base, first, params)
     wbytes = weight_bytes_per_step(eng.model)
-    header = bench_header(args, len(prompts), command, base, wbytes, bw, (load_s, peak_mb))
+    header = bench_header(args, workload.num_requests, command, base, wbytes, bw, (load_s, peak_mb))
     print("\n".join(header), flush=True)
-    engines, kernel_llms = method_engines(base, args, kernels, methods, overrides, (prompts_ids[0], params))
+    engines, kernel_llms = method_engines(base, args, kernels, methods, overrides, (first, params))
     with startup_heap_frozen():  # no full collection of the start-up heap inside a timed request (gc_heap.py)
-        results = run_leapdecode([(label, llm) for label, _, llm in engines], prompts_ids, params,
+        results = run_leapdecode([(label, llm) for label, _, llm in engines], workload, params,
                                  batched=not args.no_batched)
     rows: list[Row] = []
     for (_, tag, _), (r1, rb) in zip(engines, results):
@@ -448,11 +455,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 rows.append(r)
     first_none = next(r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel)
     first_none.load_s, first_none.peak_rss_mb = load_s, peak_mb
+    prompts_ids = first_none.prompt_ids  # what plain decoding was sent (an agent loop's turns carry its answers)
     context = int(statistics.median(len(ids) for ids in prompts_ids)) + args.max_tokens // 2
     llamacpp_costs = external_rows(rows, compare, base, prompts_ids, args, context if args.ceiling else 0)
     score_rows(rows, wbytes)
     if args.drift or any(r.num_lossy_tokens for r in rows):  # every lossy run reports its drift
-        add_drift(rows, eng, prompts_ids)
+        add_drift(rows, eng)
     step_costs = ceiling_costs(kernel_llms, rows, context) if args.ceiling else {}
     if args.ceiling and llamacpp_costs:
         step_costs["llama.cpp"] = llamacpp_costs
@@ -466,7 +474,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         write_outputs(Path(args.out), "\n".join(header) + "\n" + table + "\n" + "\n".join(notes) + "\n", {
             "command": command, "machine": machine_info(), "bandwidth_gbps": bw, "weight_bytes": wbytes,
-            "prompts": args.prompts, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+            "prompts": args.prompts, "num_prompts": workload.num_requests, "max_tokens": args.max_tokens,
             "step_costs_s": step_costs}, rows)
     if args.plot:
         curves = {(k if k == "llama.cpp" else f"leapdecode {k}".strip()): v for k, v in step_costs.items()}
@@ -491,10 +499,12 @@ def add_cli(sub) -> None:
     p.add_argument("--prompts", default="mt_bench",
                    help="mt_bench (default), grounded (summaries/extraction over WikiText passages), mixed (the two "
                    "alternating: some requests copy, some chat), agentic (coding-agent requests over HumanEval "
-                   "functions: a shared system prompt and tools, a function pasted back, an edit asked), or a "
-                   "question.jsonl path (Spec-Bench style 'turns', "
-                   "or 'prompt' records)")
-    p.add_argument("--num-prompts", type=int, default=8)
+                   "functions: a shared system prompt and tools, a function pasted back, an edit asked), "
+                   "agent_loop (the same agent as sessions of three turns over each function: every request resends "
+                   "the session so far with the engine's own earlier answers, so the prefix cache and the drafters "
+                   "see what a coding agent's server sees; batched rows send each turn of all sessions at once), or "
+                   "a question.jsonl path (Spec-Bench style 'turns', or 'prompt' records)")
+    p.add_argument("--num-prompts", type=int, default=8, help="requests (agent_loop: turns over all sessions)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
     p.add_argument("--methods", default="none",

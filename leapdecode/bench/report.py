@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 from leapdecode.bench.hardware import machine_info, weight_bytes_per_step
 from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report_plots import pyplot, write_plots
-from leapdecode.bench.rows import median, paired_ratio, warm_up
+from leapdecode.bench.rows import median, paired_ratio, start_cold, warm_up
 from leapdecode.bench.scored import code_pass_rate, load_code_tasks
 from leapdecode.eval.kv_agreement import identical_prefix
 from leapdecode.eval.perplexity import completion_nll
-from leapdecode.eval.prompts import load_prompt_set, shared_data_dir
+from leapdecode.eval.prompts import AGENT_LOOP, load_prompt_set, shared_data_dir
 from leapdecode.llm import LLM
 from leapdecode.sampling_params import SamplingParams
 
@@ -97,6 +97,8 @@ def measure_batch(engines: dict[str, LLM], prompts_ids: list[list[int]], batch: 
     per group, which :func:`compare_to_plain` pairs with plain decoding's on the same group."""
     labels = list(engines)
     groups = request_groups(prompts_ids, batch)
+    for llm in engines.values():  # the smaller batches ran these prompts: their answers must not be drafted from
+        start_cold(llm)
     outs: dict[str, list] = {m: [] for m in labels}
     walls: dict[str, list[float]] = {m: [] for m in labels}
     bar = tqdm(total=len(labels) * len(groups), desc=f"latency at batch {batch}, interleaved", leave=False)
@@ -256,6 +258,9 @@ def check_report_args(args: argparse.Namespace) -> None:
     if ignored:
         raise ValueError(f"--report does not take {', '.join(ignored)} (the report runs every method's default "
                          "configuration on chat-templated prompts; see leapdecode bench --help)")
+    if args.prompts == AGENT_LOOP:
+        raise ValueError(f"--report sends independent prompts in groups; {AGENT_LOOP}'s turns wait for their answers: "
+                         f"run `leapdecode bench --prompts {AGENT_LOOP}` without --report")
     if Path(args.report).exists() and not Path(args.report).is_dir():
         raise ValueError(f"--report {args.report}: a file is there; give a folder (created if missing)")
     if args.num_prompts < 1 or args.max_tokens < 2 or args.code_tasks < 0:

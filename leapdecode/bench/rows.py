@@ -26,6 +26,8 @@ class Row:
     top1_share: float | None = None  # share of emitted tokens that were the target's top choice in their context
     ppl: float | None = None  # the target's perplexity of the produced completions (given their prompts)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # each request's prompt as this row sent it (an agent loop's later turns carry the row's own earlier answers)
+    prompt_ids: list[list[int]] = field(default_factory=list, repr=False)
     num_lossy_tokens: int = 0
     kernel: str = ""  # the engine's linear_kernel when a run compares several (--linear-kernels); "" = the first
     # --ceiling (batch-1 rows): tokens the target verifies per step (1 + drafts), and the speedup the row's
@@ -76,7 +78,16 @@ def paired_ratio(pairs: list[float], base_pairs: list[float], tok_per_s: float, 
 
 
 def warm_up(llm, ids: list[int], params) -> None:
-    """One full-length request, then its prefix out of the cache: the first timed prompt's prefill is cold on this
-    engine as on every other (the plain engine's first prompt was warm)."""
+    """One full-length request, then :func:`start_cold`: the first timed prompt's prefill is cold on this engine as
+    on every other (the plain engine's first prompt was warm)."""
     llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    start_cold(llm)
+
+
+def start_cold(llm) -> None:
+    """Nothing of earlier requests helps the next ones: the prefix cache empty and no drafter keeping their text
+    (suffix's global trie had drafted a repeated prompt's whole answer from the warm-up's or an earlier round's)."""
     llm.engine.block_manager.reset_prefix_cache()
+    spec = llm.engine.speculator
+    for p in spec.proposers.values() if spec is not None else ():
+        p.forget_requests()

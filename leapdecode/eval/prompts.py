@@ -1,10 +1,11 @@
 """The shared data folder and its benchmark prompt sets (MT-Bench, grounded, mixed, agentic: held out from the
-drafters' training data)."""
+drafters' training data), and the agent sessions of ``bench --prompts agent_loop``."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -82,20 +83,58 @@ AGENT_EDITS = [
 ]
 
 
-def agentic_prompts(limit: int | None) -> list[str]:
-    """An agent loop's requests over HumanEval functions: every request repeats the same system prompt and tool
-    descriptions, pastes the function back (as a read_file result) and asks for an edit; the next request about
-    the same file pastes the previous request's function again with the next edit, so most of every answer is a
-    copy of text the request (and earlier requests) already hold. The previous answer is the reference solution
-    here, not the model's own output: a prompt set is fixed before any model runs."""
+AGENT_LOOP = "agent_loop"  # the name of agent_sessions' workload in ``leapdecode bench --prompts``
+
+
+@dataclass(frozen=True)
+class AgentSession:
+    """One coding agent's session over one file: the system prompt, then user turns; the model's answer to each
+    turn joins the conversation before the next, so every request repeats the whole session so far."""
+
+    system: str
+    turns: tuple[str, ...]
+
+
+def _humaneval_functions() -> list[tuple[str, str]]:
+    """(entry point, prompt + canonical solution) of every shared HumanEval problem."""
     path = shared_data_dir() / "code" / "humaneval.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (set LEAPDECODE_DATA)")
     out = []
     for line in open(path, encoding="utf-8"):
         rec = json.loads(line)
-        code = rec["prompt"] + rec["canonical_solution"]
-        name = rec["entry_point"]
+        out.append((rec["entry_point"], rec["prompt"] + rec["canonical_solution"]))
+    return out
+
+
+def agent_sessions(limit: int | None) -> list[AgentSession]:
+    """Agent sessions over HumanEval functions, ``limit`` requests in all (the last session may be cut short):
+    the agent reads a file, is asked for an edit, writes its answer back and is asked for the next edit of the
+    version it wrote, ``len(AGENT_EDITS)`` turns a session."""
+    out: list[AgentSession] = []
+    left = limit
+    for name, code in _humaneval_functions():
+        if left == 0:
+            break
+        turns = [f"[tool call] read_file(\"src/{name}.py\")\n[tool result]\n```python\n{code}```\n\n"
+                 f"Task: {AGENT_EDITS[0]}"]
+        turns += [f"[tool call] write_file(\"src/{name}.py\", <your answer>)\n[tool result] written\n\nTask: {e}"
+                  for e in AGENT_EDITS[1:]]
+        if left is not None:
+            turns, left = turns[:left], left - min(left, len(turns))
+        out.append(AgentSession(AGENT_SYSTEM, tuple(turns)))
+    return out
+
+
+def agentic_prompts(limit: int | None) -> list[str]:
+    """An agent loop's requests over HumanEval functions: every request repeats the same system prompt and tool
+    descriptions, pastes the function back (as a read_file result) and asks for an edit; the next request about
+    the same file pastes the previous request's function again with the next edit, so most of every answer is a
+    copy of text the request (and earlier requests) already hold. The previous answer is the reference solution
+    here, not the model's own output: a prompt set is fixed before any model runs (``agent_sessions`` is the loop
+    that feeds the model's own answers back)."""
+    out = []
+    for name, code in _humaneval_functions():
         for turn, edit in enumerate(AGENT_EDITS[:2]):
             history = "" if turn == 0 else (f"[earlier in this session you edited {name} with: "
                                             f"{AGENT_EDITS[turn - 1]}]\n")
@@ -108,6 +147,9 @@ def agentic_prompts(limit: int | None) -> list[str]:
 
 def load_prompt_set(name: str, limit: int | None) -> list[str]:
     data = shared_data_dir()
+    if name == AGENT_LOOP:
+        raise ValueError(f"{AGENT_LOOP} is a workload of agent sessions (each turn waits for the answer to the one "
+                         f"before), not a set of prompts: `leapdecode bench --prompts {AGENT_LOOP}` runs it")
     if name == "mt_bench":
         return load_questions(data / "mt_bench" / "question.jsonl", limit)
     if name == "grounded":

@@ -161,6 +161,11 @@ class Proposer(ABC):
         ``memory_budget_mb`` bounds. Default: 0 (prompt lookup holds an index per sequence, no more)."""
         return 0
 
+    def forget_requests(self) -> None:  # noqa: B027
+        """Drop the text of earlier requests the drafter keeps to draft from (suffix's global trie), so a run that
+        repeats them cannot draft from their answers (the benchmark's rounds over one prompt set start alike).
+        Default: no request's text is kept."""
+
     def detach(self) -> None:  # noqa: B027
         """The speculator stopped using this drafter (``auto`` found it cannot pay here): stop whatever it does on
         the engine's passes. Default: nothing."""

@@ -259,6 +259,11 @@ class GlobalSuffixCache:
             self.texts.move_to_end(key)
             self.num_touched += 1
 
+    def clear(self) -> None:
+        """Every request leaves (``path``'s file stays as it is)."""
+        while self.texts:
+            self._drop(next(iter(self.texts)))
+
     def _drop(self, key: str) -> None:
         old = self.texts.pop(key)
         del self.keys[self.serials.pop(key)]
@@ -491,6 +496,11 @@ class SuffixProposer(Proposer):
     def save(self) -> None:
         if self.cache is not None:
             self.cache.save()
+
+    def forget_requests(self) -> None:
+        """The global trie forgets every earlier request's output."""
+        if self.cache is not None:
+            self.cache.clear()
 
     def memory_bytes(self) -> int:
         own = sum(idx.trie.memory_bytes() for idx in self._requests.values())
