@@ -59,6 +59,9 @@ def test_an_agent_loop_request_resends_the_session_with_the_runs_own_answers(tin
     # the earlier request is a prefix (what the prefix cache reuses), then the answer, then the next turn
     assert p1[: len(p0)] == p0 and "return 1" in tok.decode(p1[len(p0):])
     assert p1 != loop.prompt_ids(other, 1) and run.prompts[1] == p1
+    loop.record(run, 1, "x " * llm.engine.max_model_len)  # an answer that fills the model's context
+    with pytest.raises(ValueError, match="--max-prompt-tokens"):
+        loop.prompt_ids(run, 2)
     raw = load_workload(llm, AGENT_LOOP, 2, raw=True, max_prompt_tokens=50)
     raw.record(run, 0, "ok")
     assert len(raw.prompt_ids(run, 1)) == 50 and tok.decode(raw.prompt_ids(run, 1)).endswith("\n\n")

@@ -88,7 +88,14 @@ class AgentLoop(Workload):
             ids = self.llm.get_tokenizer().encode("\n\n".join(m["content"] for m in messages) + "\n\n")
         else:
             ids = self.llm.apply_chat_template(messages)
-        return ids[-self.max_prompt_tokens:] if self.max_prompt_tokens else ids
+        if self.max_prompt_tokens:
+            return ids[-self.max_prompt_tokens:]
+        context = self.llm.engine.max_model_len
+        if len(ids) >= context:
+            raise ValueError(f"agent session {s}, turn {t + 1}: the session has grown to {len(ids)} tokens, past the "
+                             f"model's context of {context}: lower --max-tokens, or pass --max-prompt-tokens N to keep "
+                             "the last N tokens of each request")
+        return ids
 
 
 def prompt_token_ids(llm: LLM, prompts: list[str], raw: bool, max_prompt_tokens: int | None) -> list[list[int]]:
