@@ -58,7 +58,7 @@ def test_an_agent_loop_request_resends_the_session_with_the_runs_own_answers(tin
     tok = llm.get_tokenizer()
     # the earlier request is a prefix (what the prefix cache reuses), then the answer, then the next turn
     assert p1[: len(p0)] == p0 and "return 1" in tok.decode(p1[len(p0):])
-    assert p1 != loop.prompt_ids(other, 1) and run.prompts[1] == p1
+    assert p1 != loop.prompt_ids(other, 1)
     loop.record(run, 1, "x " * llm.engine.max_model_len)  # an answer that fills the model's context
     with pytest.raises(ValueError, match="--max-prompt-tokens"):
         loop.prompt_ids(run, 2)

@@ -5,8 +5,8 @@ included, as an agent's client sends it.
 A workload is requests ``0 .. n - 1`` in *waves*: the requests of a wave may be in flight together, and a wave
 starts when the one before it has finished (a prompt set is one wave; an agent session's turn ``t`` cannot be
 sent before its answer to turn ``t - 1`` exists). Each pass of one engine over the workload is a :class:`Run`,
-which keeps the prompts it sent and the answers it got, so two engines whose answers differ (another precision,
-a lossy method) each go on with their own conversation.
+which keeps the answers it got, so two engines whose answers differ (another precision, a lossy method) each go
+on with their own conversation.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from leapdecode.llm import LLM
 
 @dataclass
 class Run:
-    """One engine's pass over a workload: the prompt token ids it sent, and the text of every answer."""
+    """One engine's pass over a workload: the text of every answer it got, by request."""
 
-    prompts: dict[int, list[int]] = field(default_factory=dict)
     answers: dict[int, str] = field(default_factory=dict)
 
 
@@ -43,13 +42,9 @@ class Workload:
         """The most requests in flight at once when every wave is submitted whole."""
         return max(len(w) for w in self.waves)
 
-    def _render(self, run: Run, i: int) -> list[int]:
-        return self._ids[i]
-
     def prompt_ids(self, run: Run, i: int) -> list[int]:
         """Request ``i``'s prompt in ``run`` (for a session: after ``run``'s answers to its earlier turns)."""
-        ids = run.prompts[i] = self._render(run, i)
-        return ids
+        return self._ids[i]
 
     def record(self, run: Run, i: int, text: str) -> None:
         run.answers[i] = text
@@ -74,14 +69,14 @@ class AgentLoop(Workload):
         self.index = index
         self.waves = [[index[(s, t)] for s in range(len(sessions)) if (s, t) in index] for t in range(depth)]
 
-    def _render(self, run: Run, i: int) -> list[int]:
+    def prompt_ids(self, run: Run, i: int) -> list[int]:
         s, t = self.where[i]
         sess = self.sessions[s]
         messages = [{"role": "system", "content": sess.system}]
         for k in range(t):
             answer = run.answers.get(self.index[(s, k)])
             if answer is None:
-                raise RuntimeError(f"agent session {s}: turn {t} was sent before the answer to turn {k}")
+                raise RuntimeError(f"agent session {s + 1}: turn {t + 1} was sent before the answer to turn {k + 1}")
             messages += [{"role": "user", "content": sess.turns[k]}, {"role": "assistant", "content": answer}]
         messages.append({"role": "user", "content": sess.turns[t]})
         if self.raw:  # a model with no chat template: the conversation as plain text, each part after a blank line
@@ -92,9 +87,9 @@ class AgentLoop(Workload):
             return ids[-self.max_prompt_tokens:]
         context = self.llm.engine.max_model_len
         if len(ids) >= context:
-            raise ValueError(f"agent session {s}, turn {t + 1}: the session has grown to {len(ids)} tokens, past the "
-                             f"model's context of {context}: lower --max-tokens, or pass --max-prompt-tokens N to keep "
-                             "the last N tokens of each request")
+            raise ValueError(f"agent session {s + 1}, turn {t + 1}: the session has grown to {len(ids)} tokens, "
+                             f"past the model's context of {context}: lower --max-tokens, or pass --max-prompt-tokens "
+                             "N to keep the last N tokens of each request")
         return ids
 
 
