@@ -114,6 +114,8 @@ def test_bench_runs_the_agent_loop_turn_by_turn(tiny_model_dir, tmp_path, capsys
     assert {(r["method"], r["batch"]) for r in rows} == {("none", 1), ("none", 2), ("suffix", 1), ("suffix", 2)}
     assert all(r["identical"] == "4/4" for r in rows if r["method"] == "suffix")
     assert all(r["ppl"] > 0 for r in rows)
+    md = out.with_suffix(".md").read_text()
+    assert "By session turn" in md and "- suffix: turn 1 " in md and "turn 3 " in md
     assert main(["bench", "--report", str(tmp_path / "rep"), "--prompts", "agent_loop"]) != 0
     assert "without --report" in capsys.readouterr().err
 

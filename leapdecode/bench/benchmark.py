@@ -26,7 +26,7 @@ from leapdecode.bench.methods import LOSSY_DEFAULTS, METHOD_DEFAULTS
 from leapdecode.bench.report import add_report_args, check_report_args, cmd_report
 from leapdecode.bench.report_plots import pyplot
 from leapdecode.bench.rows import Row, explain_rows, median, paired_ratio, start_cold, warm_up
-from leapdecode.bench.workload import Run, Workload, load_workload
+from leapdecode.bench.workload import AgentLoop, Run, Workload, load_workload, speedup_by_turn
 from leapdecode.cli_args import add_tensor_parallel_arg
 from leapdecode.config import KV_CACHE_DTYPES
 from leapdecode.eval.kv_agreement import identical_prefix
@@ -469,6 +469,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table += "\n\nPrefix caching (a long shared prefix, then a second request with a different question):\n\n"
         table += run_prefix_reuse(base, prompts_ids, "Second question?")
     notes = bench_notes(rows, step_costs, args.explain)
+    if isinstance(workload, AgentLoop):
+        notes += speedup_by_turn(rows, workload)
     print(table)
     print("\n".join(notes))
     if args.out:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leapdecode.bench.rows import Row, median
 from leapdecode.eval.prompts import AGENT_LOOP, AgentSession, agent_sessions, load_prompt_set
 from leapdecode.llm import LLM
 
@@ -93,6 +94,24 @@ class AgentLoop(Workload):
         return ids
 
 
+def speedup_by_turn(rows: list[Row], loop: AgentLoop) -> list[str]:
+    """Each batch-1 row's speed over plain decoding's by session turn (the median of the paired per-request ratios
+    of the turn's requests): the first turn prefills its whole prompt and has only the prompt to draft from, later
+    turns find the session in the prefix cache and the model's earlier answers in it."""
+    base = next((r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel), None)
+    if base is None:
+        return []
+    turns = sorted({t for _, t in loop.where})
+    lines = ["", "By session turn (batch 1, x plain decoding, the median over the turn's requests):", ""]
+    for r in rows:
+        if r.system != "leapdecode" or r.batch != 1 or r is base:
+            continue
+        ratios = [a / b for a, b in zip(r.paired_tok_per_s, base.paired_tok_per_s)]
+        cells = [f"turn {t + 1} {median([x for x, (_, u) in zip(ratios, loop.where) if u == t]):.2f}x" for t in turns]
+        lines.append(f"- {r.method}{f' [{r.kernel}]' if r.kernel else ''}: " + ", ".join(cells))
+    return lines
+
+
 def prompt_token_ids(llm: LLM, prompts: list[str], raw: bool, max_prompt_tokens: int | None) -> list[list[int]]:
     """Each prompt as one user turn through the model's chat template (``raw``: plain text), cut to its last
     ``max_prompt_tokens`` tokens."""
@@ -120,4 +139,4 @@ def load_workload(llm: LLM, name: str, limit: int | None, raw: bool, max_prompt_
     return Workload(prompt_token_ids(llm, load_prompt_set(name, limit), raw, max_prompt_tokens))
 
 
-__all__ = ["AgentLoop", "Run", "Workload", "load_workload", "prompt_token_ids"]
+__all__ = ["AgentLoop", "Run", "Workload", "load_workload", "prompt_token_ids", "speedup_by_turn"]
