@@ -470,7 +470,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table += run_prefix_reuse(base, prompts_ids, "Second question?")
     notes = bench_notes(rows, step_costs, args.explain)
     if isinstance(workload, AgentLoop):
-        notes += speedup_by_turn(rows, workload)
+        notes += speedup_by_turn(rows, first_none, workload)
     print(table)
     print("\n".join(notes))
     if args.out:

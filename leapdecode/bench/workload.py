@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from leapdecode.bench.rows import Row, median
+from leapdecode.bench.rows import Row, paired_ratio
 from leapdecode.eval.prompts import AGENT_LOOP, AgentSession, agent_sessions, load_prompt_set
 from leapdecode.llm import LLM
 
@@ -94,20 +94,24 @@ class AgentLoop(Workload):
         return ids
 
 
-def speedup_by_turn(rows: list[Row], loop: AgentLoop) -> list[str]:
-    """Each batch-1 row's speed over plain decoding's by session turn (the median of the paired per-request ratios
-    of the turn's requests): the first turn prefills its whole prompt and has only the prompt to draft from, later
-    turns find the session in the prefix cache and the model's earlier answers in it."""
-    base = next((r for r in rows if r.method == "none" and r.batch == 1 and not r.kernel), None)
-    if base is None:
-        return []
-    turns = sorted({t for _, t in loop.where})
+def _ratio_over(row: Row, base: Row, requests: list[int]) -> float:
+    """``row``'s paired speed over ``base``'s on the given batch-1 requests only."""
+    return paired_ratio([row.paired_tok_per_s[i] for i in requests], [base.paired_tok_per_s[i] for i in requests],
+                        row.tok_per_s, base.tok_per_s)
+
+
+def speedup_by_turn(rows: list[Row], base: Row, loop: AgentLoop) -> list[str]:
+    """Each batch-1 row's speed over ``base``'s (plain decoding's) by session turn: ``rows.paired_ratio`` over the
+    turn's requests. The first turn prefills its whole prompt and has only the prompt to draft from; later turns
+    find the session in the prefix cache and the model's earlier answers in it."""
+    by_turn: dict[int, list[int]] = {}
+    for i, (_, t) in enumerate(loop.where):
+        by_turn.setdefault(t, []).append(i)
     lines = ["", "By session turn (batch 1, x plain decoding, the median over the turn's requests):", ""]
     for r in rows:
         if r.system != "leapdecode" or r.batch != 1 or r is base:
             continue
-        ratios = [a / b for a, b in zip(r.paired_tok_per_s, base.paired_tok_per_s)]
-        cells = [f"turn {t + 1} {median([x for x, (_, u) in zip(ratios, loop.where) if u == t]):.2f}x" for t in turns]
+        cells = [f"turn {t + 1} {_ratio_over(r, base, idx):.2f}x" for t, idx in sorted(by_turn.items())]
         lines.append(f"- {r.method}{f' [{r.kernel}]' if r.kernel else ''}: " + ", ".join(cells))
     return lines
 
