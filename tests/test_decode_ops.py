@@ -171,17 +171,18 @@ def test_int8_attention_rows_take_heads_wider_than_256() -> None:
                                    atol=2e-6)
 
 
-@pytest.mark.parametrize("calibrated", [False, True])
-def test_int8_quantize_on_write_matches_the_torch_definition(calibrated: bool) -> None:
+@pytest.mark.parametrize("calibrated, rotated", [(False, True), (True, True), (True, False)])
+def test_int8_quantize_on_write_matches_the_torch_definition(calibrated: bool, rotated: bool) -> None:
     """quantize_kv_rows is kv_quant's write in one call: same scales, int8 values off by at most one step where the
-    rotation's float sums round differently (a value right at a rounding boundary)."""
+    rotation's float sums round differently (a value right at a rounding boundary); without a rotation, the shifted
+    and smoothed rows themselves."""
     from leapdecode.layers.kv_quant import QuantizedKV, quantize, rotation_matrix
 
     g = torch.Generator().manual_seed(3)
     shift = torch.randn(3, 64, generator=g) * 3 if calibrated else None
     smooth = torch.rand(3, 64, generator=g) + 0.5 if calibrated else None
     plane = QuantizedKV(torch.zeros(64, 3, 64, dtype=torch.int8), torch.zeros(64, 3, 4, dtype=torch.float16),
-                        rotation_matrix(64), shift, smooth)  # fmt: skip
+                        rotation_matrix(64) if rotated else None, shift, smooth)  # fmt: skip
     x = torch.randn(20, 3, 64, generator=g) * torch.logspace(-2, 2, 20).view(-1, 1, 1)
     slots = torch.randperm(64, generator=g)[:20]
     plane.write(slots, x)

@@ -46,7 +46,7 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
   // a prompt's rows on every thread (each row's result is its own; its slot is written by its row alone)
   over_rows(T, [&](int64_t t0, int64_t t1) {
     constexpr int64_t kRows = kRowsTimesGroup;  // (row, head) pairs
-    std::vector<float> y(kRows * D), z(kRows * D);
+    std::vector<float> y(kRows * D), z(rot ? kRows * D : 0);
     for (int64_t p0 = t0 * Hkv; p0 < t1 * Hkv; p0 += kRows) {
       const int64_t n = std::min(kRows, t1 * Hkv - p0);
       for (int64_t k = 0; k < n; ++k) {
@@ -59,13 +59,10 @@ void quantize_kv_rows(torch::Tensor x, torch::Tensor shift, torch::Tensor smooth
           y[k * D + i] = v;
         }
       }
-      if (rot) {
-        rows_times(y.data(), n, rot, z.data(), D);
-      } else {
-        std::copy(y.begin(), y.begin() + n * D, z.begin());
-      }
+      if (rot) rows_times(y.data(), n, rot, z.data(), D);
+      const float* rows = rot ? z.data() : y.data();  // without a rotation the shifted, smoothed rows themselves
       for (int64_t k = 0; k < n; ++k) {
-        const float* zk = z.data() + k * D;
+        const float* zk = rows + k * D;
         const int64_t t = (p0 + k) / Hkv, base = sp[t] * Hkv + (p0 + k) % Hkv;
         for (int64_t c = 0; c < NG; ++c) {
           float amax = 0.f;
