@@ -1,6 +1,6 @@
 """AMX tiles for int8 activations (kernels/amx_int8.cpp): a NumPy model of how a tile multiply reads the records
-(runs everywhere), and, where this CPU has AMX-INT8, bitwise equality with the VNNI loop for every record kind and
-row count."""
+(runs everywhere; it also checks the rows' int8 rounding, kernels/quantize_rows.cpp), and, where this CPU has
+AMX-INT8, bitwise equality with the VNNI loop for every record kind and row count."""
 
 from __future__ import annotations
 
@@ -108,6 +108,24 @@ def test_tile_model_of_the_records_gives_the_int8_activation_product(kind: str) 
     ref = (xq.astype(np.float64).reshape(5, -1, 32) * dx[..., None]).reshape(5, k) @ w.double().numpy().T
     got = _emulated(kind, packed.numpy(), x)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.skipif(ext is None, reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_int8_rounding_is_the_definition_however_many_rows_are_rounded_together(kind: str) -> None:
+    """The rows of x are rounded to int8 16 blocks at a time where the CPU allows and block by block for the rest:
+    a row alone (24 blocks: 16 + 8) and 70 rows together (every block in a group of 16) give bitwise the same
+    products, which are the definition's (the NumPy model's codes and integer sums, in float64)."""
+    packed, _ = _records(kind, 32, 768, seed=2)
+    x = torch.randn(70, 768, generator=torch.Generator().manual_seed(6)) * torch.logspace(-2, 1, 70).view(-1, 1)
+    x[3, 512:544] = 0.0  # an all-zero block, inside a group of 16 when the rows are rounded together
+    together = ext.a8_linear(x, packed, amx_rows=0)
+    alone = torch.cat([ext.a8_linear(x[i : i + 1].contiguous(), packed, amx_rows=0) for i in range(70)])
+    assert torch.equal(together, alone)
+    ref = _emulated(kind, packed.numpy(), x.numpy())
+    # a code off by one moves its product by ~1e-3 of the largest output; float32 sums stay within ~1e-6
+    err = np.abs(together.double().numpy() - ref) / np.abs(ref).max(axis=1, keepdims=True)
+    assert float(err.max()) < 1e-5
 
 
 needs_amx = pytest.mark.skipif(ext is None or not ext.a8_amx_available(),

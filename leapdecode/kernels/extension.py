@@ -2,10 +2,11 @@
 (behind :mod:`leapdecode.kernels.build`'s OS lock) for this CPU and these headers, and the loaded module.
 
 Each source has its Python wrapper: ``layers/small_gemm.py`` (small_gemm.cpp), ``layers/int8_gemm.py``
-(int8_gemm.cpp, amx_int8.cpp), ``layers/block_formats.py`` (gguf_blocks.cpp), ``layers/layer_ops.py``
-(layer_ops.cpp), ``layers/attention_rows.py`` (attention_rows.cpp, attention_rows_i8.cpp), ``layers/int8_kv.py``
-(int8_kv.cpp) and ``layers/decoder_stack.py`` (decoder_stack.cpp); ``speculative/methods/suffix.py`` uses
-suffix_index.cpp's class, ``bench/hardware.py`` isa_peak.cpp's probe. bindings.cpp is the Python module over them all.
+(int8_gemm.cpp, quantize_rows.cpp, amx_int8.cpp), ``layers/block_formats.py`` (gguf_blocks.cpp),
+``layers/layer_ops.py`` (layer_ops.cpp), ``layers/attention_rows.py`` (attention_rows.cpp, attention_rows_i8.cpp),
+``layers/int8_kv.py`` (int8_kv.cpp) and ``layers/decoder_stack.py`` (decoder_stack.cpp);
+``speculative/methods/suffix.py`` uses suffix_index.cpp's class, ``bench/hardware.py`` isa_peak.cpp's probe.
+bindings.cpp is the Python module over them all.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pathlib import Path
 from leapdecode.kernels.build import load_extension
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = [KERNELS / name for name in ("bindings.cpp", "small_gemm.cpp", "int8_gemm.cpp", "amx_int8.cpp",
-                                       "gguf_blocks.cpp", "layer_ops.cpp", "attention_rows.cpp",
+SOURCES = [KERNELS / name for name in ("bindings.cpp", "small_gemm.cpp", "int8_gemm.cpp", "quantize_rows.cpp",
+                                       "amx_int8.cpp", "gguf_blocks.cpp", "layer_ops.cpp", "attention_rows.cpp",
                                        "attention_rows_i8.cpp", "int8_kv.cpp", "decoder_stack.cpp", "suffix_index.cpp",
                                        "isa_peak.cpp")]  # one build, one load
 ext = None

@@ -1,4 +1,5 @@
-// y = x @ W^T with x rounded to int8 per 32 inputs (linear_kernel="packed-int8act"; the layout: int8_records.h).
+// y = x @ W^T with x rounded to int8 per 32 inputs (linear_kernel="packed-int8act"; the layout: int8_records.h;
+// the rounding: quantize_rows.cpp).
 #include "tensor_api.h"
 
 #include <algorithm>
@@ -12,74 +13,6 @@
 #include "few_rows.h"
 #include "int8_records.h"
 #include "ops.h"
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / 32;
-  QuantizedRows r{RowBuffer<int8_t>(M * K), RowBuffer<float>(M * nb), RowBuffer<float>(M * nb),
-                  RowBuffer<int32_t>(M * nb), RowBuffer<int32_t>(2 * M * nb)};
-  auto body = [&](int64_t row0, int64_t row1) {
-    for (int64_t b = row0 * nb; b < row1 * nb; ++b) {
-      const float* v = x + b * 32;
-#if defined(__AVX512F__)
-      // the scalar loop below, vectorised: cvtps rounds to nearest even as nearbyint does, and |v * id| <= 127
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
-      r.half[2 * b] = _mm512_reduce_add_epi32(q0), r.half[2 * b + 1] = _mm512_reduce_add_epi32(q1);
-      const int32_t acc = r.half[2 * b] + r.half[2 * b + 1];
-      r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
-#elif defined(__AVX2__)
-      // the same, 8 lanes at a time (the scalar loop was ~12% of a 16-row step's one thread on Zen 3)
-      __m256 vv[4];
-      __m256 m = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        vv[i] = _mm256_loadu_ps(v + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), vv[i]));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 0x55)));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      __m256i q[4];
-      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[i], _mm256_set1_ps(id)));
-      // int32 -> int8 (no saturation: |q| <= 127); the packs interleave 4-value groups, the permute restores order
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + b * 32), bytes);
-      auto sum8 = [](__m256i a) {
-        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-        const __m128i h2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-        return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
-      };
-      r.half[2 * b] = sum8(_mm256_add_epi32(q[0], q[1])), r.half[2 * b + 1] = sum8(_mm256_add_epi32(q[2], q[3]));
-      const int32_t acc = r.half[2 * b] + r.half[2 * b + 1];
-      r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
-#else
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t acc = 0;
-      r.half[2 * b] = r.half[2 * b + 1] = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int32_t qi = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(v[i] * id))));
-        r.q[b * 32 + i] = static_cast<int8_t>(qi);
-        r.half[2 * b + i / 16] += qi;
-        acc += qi;
-      }
-      r.d[b] = d, r.sum[b] = acc, r.s[b] = d * static_cast<float>(acc);
-#endif
-    }
-  };
-  // (a prompt's rows on every thread: a 1,000-token prefill's projections of the bundled model 0.89x the time,
-  // A/B on Zen 4)
-  over_rows(M, body);
-  return r;
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int R, int A>
