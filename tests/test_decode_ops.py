@@ -264,6 +264,15 @@ def test_rope_and_silu_mul_match_torch() -> None:
     layer_ops.rope_(got, rope[0].view(t, d), rope[1].view(t, d), heads)
     torch.testing.assert_close(got[:, : heads * d].view(t, heads, d), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[:, heads * d :], qkv[:, heads * d :])  # the V part is left alone
+    t = 100  # a prompt's rows, on every thread: each row as it is alone
+    rope = RotaryEmbedding(d, 256, 10000.0, None).table(torch.arange(t), torch.float32)
+    qkv = torch.randn(t, (heads + 2) * d, generator=g)
+    got = qkv.clone()
+    layer_ops.rope_(got, rope[0].view(t, d), rope[1].view(t, d), heads)
+    for i in (0, 37, 99):
+        alone = qkv[i : i + 1].clone()
+        layer_ops.rope_(alone, rope[0].view(t, d)[i : i + 1], rope[1].view(t, d)[i : i + 1], heads)
+        assert torch.equal(alone, got[i : i + 1]), i
     for width in (64, 40):  # whole vectors, and a scalar tail
         gu = torch.randn(3, 2 * width, generator=g) * 4
         gate, up = gu.split(width, dim=-1)
