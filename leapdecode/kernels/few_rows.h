@@ -20,8 +20,18 @@
 // reads them again, so fetched with the non-temporal hint, to displace less of what a step does reuse (the KV
 // cache, the interpreter's own data between forwards: Python right after a forward ran ~6x slower than the same
 // call repeated, ~2x with the hint; whole requests ~4% faster, interleaved A/B). The float kernels keep the
-// ordinary hint: they take longer over each byte, and there the hint measured 0.96-1.03x, no gain
-static inline void prefetch_weights(const void* p) { __builtin_prefetch(p, 0, 0); }
+// ordinary hint: they take longer over each byte, and there the hint measured 0.96-1.03x, no gain.
+// As volatile asm, not __builtin_prefetch, which GCC's optimisers count as free of side effects: GCC 12 deleted
+// every call to A8Block<Q6K>::prefetch (a member of nothing but prefetch loops; marked always_inline, the other
+// kinds' went too), so the Q6_K int8 kernels ran without software prefetch. A Q6_K LM head of 49,152 x 2,048
+// took 5.7 ms at 4 rows and now takes 2.6 (16 rows: 10.7 -> 7.1 ms; 2 threads, Zen 4). Asm cannot be deleted.
+static inline void prefetch_weights(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__ volatile("prefetchnta %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 0);
+#endif
+}
 // rows per chunk: 8 x 16 partial sums (x2 for even / odd k) fill half of AVX-512's 32 registers; AVX2 has 16
 // registers of half the width, so its kernels (below) take 4 rows over one 8-output half of a panel at a time
 #if defined(__AVX2__) && !defined(__AVX512F__)
