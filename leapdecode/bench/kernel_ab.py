@@ -1,7 +1,8 @@
 """Two builds of the CPU kernels timed in one process: this checkout's and a baseline checkout's.
 
 Run: ``python -m leapdecode.bench.kernel_ab --baseline ../base --rows 1,4,16``, where ``../base`` is another checkout
-of this project (e.g. ``git worktree add ../base HEAD~1``). The baseline's kernels are built in a child process
+of this project (e.g. ``git worktree add ../base HEAD~1``); ``--shape batch`` times n sequences of one new token
+each instead of one sequence's n (a tree's or draft's rows). The baseline's kernels are built in a child process
 under their own name (a build's name carries its checkout's path) and loaded next to this checkout's; the model
 is loaded once, and whole decode steps run with ``extension.ext`` set to one build or the other, switching every
 ``--switch-every`` steps. On a shared VM two processes a few minutes apart can differ by more than most kernel
@@ -69,15 +70,17 @@ def same_bits(a: list[ForwardResult], b: list[ForwardResult]) -> str:
 
 
 def interleaved(llm: LLM, builds: tuple[ModuleType, ModuleType], rows: int, context: int, steps: int,
-                every: int) -> tuple[list[float], list[float], str]:
-    """Seconds of ``steps`` steps of ``rows`` new tokens of one sequence after ``context`` cached ones, the builds
-    taking turns every ``every`` steps; and whether one step's results are the same bits under both."""
+                every: int, shape: str = "tree") -> tuple[list[float], list[float], str]:
+    """Seconds of ``steps`` steps of ``rows`` new tokens after ``context`` cached ones (one sequence's for the
+    ``tree`` shape, one each of ``rows`` sequences for ``batch``), the builds taking turns every ``every`` steps;
+    and whether one step's results are the same bits under both."""
     runner = llm.engine.runner
     times: tuple[list[float], list[float]] = ([], [])
     current = extension.ext
     try:
         with ExitStack() as stack:
-            items = scratch_step(stack, llm, context, 1, rows, "a kernel A/B")
+            seqs, per_seq = (1, rows) if shape == "tree" else (rows, 1)
+            items = scratch_step(stack, llm, context, seqs, per_seq, "a kernel A/B")
             outputs = []
             for build in builds:
                 extension.ext = build
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, required=True, help="another checkout of this project")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
     p.add_argument("--linear-kernel", default="auto", help="the engine's linear_kernel (e.g. packed-int8act)")
-    p.add_argument("--rows", default="1,4,16", help="comma list of new tokens per step (a tree's or draft's rows)")
+    p.add_argument("--rows", default="1,4,16", help="comma list of new tokens per step")
+    p.add_argument("--shape", default="tree", choices=("tree", "batch"),
+                   help="the rows as one sequence's (a tree's or draft's) or as one token each of that many sequences")
     p.add_argument("--context", type=int, default=128, help="cached tokens before the step")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the engine's KV cache")
     p.add_argument("--steps", type=int, default=400, help="timed steps per row count, both builds together")
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows | baseline ms | this checkout ms | speedup | per-cycle speedup, median (middle half) | results |\n"
           "|---|---|---|---|---|---|")
     for n in rows:
-        old, new, bits = interleaved(llm, (base, this), n, a.context, a.steps, a.switch_every)
+        old, new, bits = interleaved(llm, (base, this), n, a.context, a.steps, a.switch_every, a.shape)
         b, t = statistics.median(old) * 1e3, statistics.median(new) * 1e3
         q1, q2, q3 = cycle_ratios(old, new, a.switch_every)
         print(f"| {n} | {b:.2f} | {t:.2f} | {b / t:.3f}x | {q2:.3f}x ({q1:.3f}-{q3:.3f}) | {bits} |", flush=True)

@@ -21,11 +21,14 @@
 // cache, the interpreter's own data between forwards: Python right after a forward ran ~6x slower than the same
 // call repeated, ~2x with the hint; whole requests ~4% faster, interleaved A/B). The float kernels keep the
 // ordinary hint: they take longer over each byte, and there the hint measured 0.96-1.03x, no gain.
-// As volatile asm, not __builtin_prefetch, which GCC's optimisers count as free of side effects: GCC 12 deleted
-// every call to A8Block<Q6K>::prefetch (a member of nothing but prefetch loops; marked always_inline, the other
-// kinds' went too), so the Q6_K int8 kernels ran without software prefetch. A Q6_K LM head of 49,152 x 2,048
-// took 5.7 ms at 4 rows and now takes 2.6 (16 rows: 10.7 -> 7.1 ms; 2 threads, Zen 4). Asm cannot be deleted.
-static inline void prefetch_weights(const void* p) {
+static inline void prefetch_weights(const void* p) { __builtin_prefetch(p, 0, 0); }
+// The same as volatile asm, which no optimiser may delete. GCC's optimisers count __builtin_prefetch as free of
+// side effects, and GCC 12 deleted every call to A8Block<Q6K>::prefetch (a member of nothing but prefetch loops;
+// marked always_inline, the other kinds' went too), so the Q6_K int8 kernels ran without software prefetch: a
+// Q6_K LM head of 49,152 x 2,048 took 5.7 ms at 4 rows and takes 2.6 this way (16 rows: 10.7 -> 7.1 ms; 2 threads,
+// Zen 4). The other kinds keep the builtin, which GCC did keep there (the asm form for every kind measured
+// 0.96-1.01x at 16 rows of the bundled model's Q4_1 and 0.95x of the 1.1B file's, against this; kernel_ab).
+static inline void prefetch_weights_kept(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   __asm__ volatile("prefetchnta %0" : : "m"(*static_cast<const char*>(p)));
 #else

@@ -59,11 +59,12 @@ struct A8Block {
   // fetch this block ahead of its use (the kernels call it PREFETCH_RECORDS blocks ahead): its code lines and the
   // header lines it reads (Q6K: the super-block's 320-byte header once, with its first sub-block)
   void prefetch() const {
-    for (int64_t line = 0; line < code_bytes(); line += 64) prefetch_weights(codes() + line);
-    if constexpr (A == A8_Q6K) {
+    if constexpr (A == A8_Q6K) {  // in asm: the builtin's calls here were deleted (few_rows.h)
+      for (int64_t line = 0; line < code_bytes(); line += 64) prefetch_weights_kept(codes() + line);
       if (sb == 0)
-        for (int64_t line = 0; line < 320; line += 64) prefetch_weights(rec + line);
+        for (int64_t line = 0; line < 320; line += 64) prefetch_weights_kept(rec + line);
     } else {
+      for (int64_t line = 0; line < code_bytes(); line += 64) prefetch_weights(codes() + line);
       prefetch_weights(rec), prefetch_weights(rec + 64);
     }
   }
