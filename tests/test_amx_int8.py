@@ -113,9 +113,10 @@ def test_tile_model_of_the_records_gives_the_int8_activation_product(kind: str) 
 @pytest.mark.skipif(ext is None, reason="the CPU kernels are not built here")
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_int8_rounding_is_the_definition_however_many_rows_are_rounded_together(kind: str) -> None:
-    """The rows of x are rounded to int8 16 blocks at a time where the CPU allows and block by block for the rest:
-    a row alone (24 blocks: 16 + 8) and 70 rows together (every block in a group of 16) give bitwise the same
-    products, which are the definition's (the NumPy model's codes and integer sums, in float64)."""
+    """The rows of x are rounded to int8 a group of blocks at a time (16 with AVX-512, 8 with AVX2) and block by
+    block for the rest: a row alone (24 blocks: with AVX-512 a group and 8 single blocks) and 70 rows together
+    (every block in a group) give bitwise the same products, which are the definition's (the NumPy model's codes and
+    integer sums, in float64). test_int8_activations covers rows of 18 blocks, with single blocks on both."""
     packed, _ = _records(kind, 32, 768, seed=2)
     x = torch.randn(70, 768, generator=torch.Generator().manual_seed(6)) * torch.logspace(-2, 1, 70).view(-1, 1)
     x[3, 512:544] = 0.0  # an all-zero block, inside a group of 16 when the rows are rounded together
