@@ -1,5 +1,5 @@
 // The int8-activation records (linear_kernel="packed-int8act") and the quantised rows that multiply them: what
-// int8_gemm.cpp (VNNI / AVX2 / portable kernels) and amx_int8.cpp (AMX tiles) share.
+// int8_gemm.cpp (VNNI / AVX2 / portable kernels), amx_int8.cpp (AMX tiles) and quantize_rows.cpp (the rows) share.
 #pragma once
 #include <cstdint>
 #if defined(__x86_64__) || defined(__i386__)
@@ -103,7 +103,7 @@ struct QuantizedRows {  // x [M, K] as int8 codes with per-32 scales
   RowBuffer<int32_t> half;    // sum(qx) per (row, block, half of 16 inputs)
 };
 
-// x [M, K] (float32, K a multiple of 32) rounded to int8 per row and block of 32 inputs (int8_gemm.cpp)
+// x [M, K] (float32, K a multiple of 32) rounded to int8 per row and block of 32 inputs (quantize_rows.cpp)
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K);
 // amx_int8.cpp: whether AMX-INT8 tiles are usable here, and y = x @ W^T of a whole call on them (false, nothing
 // written, where they are not): kind an A8Kind, wp the [panels, panel_bytes] records, y [M, N]
